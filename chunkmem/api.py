@@ -1,0 +1,173 @@
+"""``chunkmem.initialize``: wrap a model (and optionally its Adam optimizer) in an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from chunkmem.config import Config
+from chunkmem.devices import make_device
+from chunkmem.engine import Engine
+from chunkmem.errors import CapacityError, ConfigError
+from chunkmem.hooks import ActivationCounter, ModuleHooks
+from chunkmem.ledger import Ledger
+from chunkmem.manager import ChunkManager
+from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
+from chunkmem.packing import ChunkSizeChoice, padding_for, search_chunk_size
+from chunkmem.placement import Placement
+from chunkmem.tracer import Tracer
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def initialize(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: Config | dict[str, Any] | str | Path | None = None,
+) -> Engine:
+    """Return an :class:`Engine` training ``model`` with parameters and Adam states in chunks.
+
+    ``optimizer``: a fresh ``torch.optim.Adam``/``AdamW`` whose param groups (and their
+    hyper-parameters) are taken over; None builds AdamW/Adam from ``config.optimizer``.
+    ``config``: a :class:`Config`, a dict or a path to a JSON file.
+    """
+    config = Config.coerce(config)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    named = list(model.named_parameters())
+    for name, param in named:
+        if param.device.type == "meta":
+            raise ConfigError(
+                f"parameter {name!r} is on the meta device; materialize the model (e.g. "
+                f"model.to_empty(device='cpu') and initialize its weights) before chunkmem.initialize"
+            )
+    if not named:
+        raise ConfigError("the model has no parameters; there is nothing for chunkmem to manage")
+    device, capacity = make_device(config.device.type, config.device.capacity)
+    compute_dtype = _DTYPES[config.precision]
+    mixed = config.precision != "fp32"
+
+    param_groups, group_of, decoupled = _param_groups(model, optimizer, config)
+    unique = list(dict.fromkeys(p for _n, p in named))
+    trainable = [p for p in unique if p.requires_grad]
+    frozen = [p for p in unique if not p.requires_grad]
+    choice = _chunk_size(config, capacity, compute_dtype, trainable, frozen)
+    separate_grads = not mixed or config.gradient_accumulation_steps > 1
+    _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
+
+    ledger = Ledger(capacity, config.host.capacity, config.report.max_move_events)
+    tracer = Tracer()
+    placement = Placement(
+        config.placement.policy,
+        config.placement.prefetch,
+        config.placement.nonmodel_margin,
+        capacity,
+    )
+    manager = ChunkManager(
+        device,
+        ledger,
+        tracer,
+        placement,
+        compute_dtype,
+        choice.size,
+        keep_fp32_master=mixed,
+        grads_in_param_slot=not separate_grads,
+        optimizer_states_mode=config.placement.optimizer_states,
+    )
+    manager.register(named)
+    _move_buffers(model, device.torch_device)
+    hooks = ModuleHooks(manager)
+    hooks.attach(model)
+    grad_handles = [p.register_post_accumulate_grad_hook(manager.store_grad) for p in trainable]
+    activations = ActivationCounter(device.meter, manager)
+    adam = ChunkAdam(manager, param_groups, group_of, decoupled)
+    return Engine(model, config, manager, hooks, activations, adam, choice, grad_handles)
+
+
+def _param_groups(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: Config
+) -> tuple[list[dict[str, Any]], dict[torch.nn.Parameter, int], bool]:
+    model_params = {p: n for n, p in model.named_parameters()}
+    if optimizer is None:
+        opt = config.optimizer
+        groups = [
+            {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
+        ]
+        group_of = {p: 0 for p in model_params if p.requires_grad}
+        return groups, group_of, opt.type == "adamw"
+    groups, params_per_group, decoupled = groups_from_torch_optimizer(optimizer)
+    group_of: dict[torch.nn.Parameter, int] = {}
+    for index, params in enumerate(params_per_group):
+        for param in params:
+            if param not in model_params:
+                raise ConfigError(
+                    f"optimizer param group {index} holds a tensor of shape {tuple(param.shape)} "
+                    f"that is not a parameter of the model; build the optimizer from "
+                    f"model.parameters()"
+                )
+            group_of[param] = index
+    for param, name in model_params.items():
+        if param.requires_grad and param not in group_of:
+            raise ConfigError(
+                f"parameter {name!r} requires grad but is in no optimizer param group; add it to "
+                f"the optimizer or set requires_grad=False"
+            )
+    return groups, group_of, decoupled
+
+
+def _chunk_size(
+    config: Config,
+    capacity: int,
+    dtype: torch.dtype,
+    trainable: list[torch.nn.Parameter],
+    frozen: list[torch.nn.Parameter],
+) -> ChunkSizeChoice:
+    trainable_numels = [p.numel() for p in trainable]
+    frozen_numels = [p.numel() for p in frozen]
+    if config.chunk.size != "auto":
+        size = config.chunk.size
+        if size < 1:
+            raise ConfigError(f"config key 'chunk.size' must be >= 1 or 'auto', got {size}")
+        padding = padding_for(trainable_numels, size) + padding_for(frozen_numels, size)
+        oversized = sum(1 for n in trainable_numels + frozen_numels if n > size)
+        return ChunkSizeChoice(size, padding, sum(trainable_numels + frozen_numels), oversized, 1)
+    max_size = int(capacity * config.chunk.max_fraction_of_capacity) // dtype.itemsize
+    # Trainable and frozen parameters fill separate chunk lists; search on the larger one.
+    numels = trainable_numels if sum(trainable_numels) >= sum(frozen_numels) else frozen_numels
+    choice = search_chunk_size(numels, max(max_size, 1))
+    padding = padding_for(trainable_numels, choice.size) + padding_for(frozen_numels, choice.size)
+    oversized = sum(1 for n in trainable_numels + frozen_numels if n > choice.size)
+    total = sum(trainable_numels) + sum(frozen_numels)
+    return ChunkSizeChoice(choice.size, padding, total, oversized, choice.candidates_tried)
+
+
+def _check_capacity(
+    capacity: int,
+    chunk_size: int,
+    params: list[torch.nn.Parameter],
+    dtype: torch.dtype,
+    separate_grads: bool,
+) -> None:
+    """Fail before training when not even the chunks of one moment can fit."""
+    largest = max(max(p.numel() for p in params), chunk_size) * dtype.itemsize
+    # A module's parameters may straddle two chunks; with separate gradients the matching
+    # gradient chunks are on the device in backward too.
+    needed = 2 * largest * (2 if separate_grads else 1)
+    if needed > capacity:
+        raise CapacityError(
+            f"device capacity {capacity:,} bytes is below the {needed:,} bytes the chunks of one "
+            f"moment can need (2 chunks of {largest:,} bytes{' plus their gradient chunks' if separate_grads else ''}), "
+            f"before any activations. Raise device.capacity to at least {needed:,} bytes plus "
+            f"the activation memory, or lower chunk.size (the largest parameter has "
+            f"{max(p.numel() for p in params):,} elements and sets the floor)."
+        )
+
+
+def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Buffers (masks, running statistics) are small and live on the compute device."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)

@@ -1,0 +1,133 @@
+"""Chunks: fixed-size flat buffers whose tensors are views at offsets.
+
+A :class:`ChunkLayout` says which parameter sits at which offset. The parameter chunk (the
+compute copy) and its mirrors (gradients, fp32 masters, Adam states) share one layout, so
+slot ``i`` of every chunk in the group belongs to the same parameter.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from chunkmem.states import MOVABLE_STATES, TensorState, check_transition
+
+
+class ChunkKind(enum.Enum):
+    """What a chunk holds; the ledger accounts bytes per kind."""
+
+    PARAM = "param"  # compute copy of parameters (fp32, bf16 or fp16)
+    GRAD = "grad"  # gradients, when they cannot reuse the parameter slot
+    MASTER = "master"  # fp32 master parameters (bf16/fp16 training only)
+    EXP_AVG = "exp_avg"
+    EXP_AVG_SQ = "exp_avg_sq"
+
+
+OPTIMIZER_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+
+
+class Tier(enum.Enum):
+    """Where a chunk's payload lives."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+@dataclass(eq=False)
+class TensorSlot:
+    """One parameter's place in a layout, its state and its gradient bookkeeping."""
+
+    name: str
+    param: torch.nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+    state: TensorState = TensorState.FREE
+    users: int = 0  # how many module calls currently hold it in COMPUTE
+    grad_in_param_slot: bool = False  # the 16-bit slot holds this iteration's gradient
+    needs_grad_chunk: bool = False  # learned: the slot cannot be reused for this parameter
+    grad_contributions: int = 0  # gradient contributions stored since the last step
+
+    def set_state(self, new: TensorState) -> None:
+        check_transition(self.name, self.state, new)
+        self.state = new
+
+    @property
+    def has_grad(self) -> bool:
+        return self.grad_contributions > 0
+
+
+@dataclass(eq=False)
+class ChunkLayout:
+    """Offsets of parameters inside a group of mirrored chunks."""
+
+    index: int
+    capacity: int  # elements
+    trainable: bool
+    slots: list[TensorSlot] = field(default_factory=list)
+    used: int = 0
+
+    def fits(self, numel: int) -> bool:
+        return self.used + numel <= self.capacity
+
+    def add(self, name: str, param: torch.nn.Parameter) -> TensorSlot:
+        numel = param.numel()
+        if not self.fits(numel):
+            raise ValueError(
+                f"parameter {name!r} ({numel} elements) does not fit in chunk layout "
+                f"{self.index} ({self.capacity - self.used} of {self.capacity} elements free)"
+            )
+        slot = TensorSlot(name, param, self.used, numel, param.shape)
+        self.slots.append(slot)
+        self.used += numel
+        return slot
+
+    @property
+    def padding(self) -> int:
+        return self.capacity - self.used
+
+
+class Chunk:
+    """A flat buffer of one kind and dtype following a layout; it is on one tier at a time."""
+
+    def __init__(self, chunk_id: int, layout: ChunkLayout, kind: ChunkKind, dtype: torch.dtype):
+        self.id = chunk_id
+        self.layout = layout
+        self.kind = kind
+        self.dtype = dtype
+        self.tier: Tier | None = None  # None: no payload allocated
+        self.payload: torch.Tensor | None = None
+        self.pins = 0  # users outside the tensor-state machine (optimizer, gradient writes)
+        self.pending_event: object | None = None  # an async copy the payload waits for
+
+    def __repr__(self) -> str:
+        tier = self.tier.value if self.tier else "unallocated"
+        return f"Chunk(id={self.id}, {self.kind.value}, layout={self.layout.index}, {tier})"
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.capacity * self.dtype.itemsize
+
+    @property
+    def numel(self) -> int:
+        return self.layout.capacity
+
+    def view(self, slot: TensorSlot) -> torch.Tensor:
+        if self.payload is None:
+            raise RuntimeError(f"{self!r} has no payload; it must be fetched before use")
+        return self.payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def used_view(self) -> torch.Tensor:
+        """The filled prefix, without padding."""
+        assert self.payload is not None
+        return self.payload[: self.layout.used]
+
+    def movable(self) -> bool:
+        """Only chunks whose tensors are all in a HOLD state (or FREE) and that no one pins."""
+        if self.pins:
+            return False
+        if self.kind is ChunkKind.PARAM:
+            return all(slot.state in MOVABLE_STATES for slot in self.layout.slots)
+        return True

@@ -1,0 +1,240 @@
+"""The engine's typed configuration: defaults, strict validation, loading from a dict or JSON.
+
+Every section is a frozen pydantic model with ``extra="forbid"``; validation errors are turned
+into one :class:`ConfigError` whose lines name the key path, the bad value and the reason, and
+for an unknown key the closest valid one.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from chunkmem.errors import ConfigError
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_byte_size(value: Any) -> Any:
+    """Accept an int or a string such as ``"512MiB"``/``"1.5GB"``; leave anything else to pydantic."""
+    if isinstance(value, bool):
+        raise ValueError("a byte size must be an integer or a string like '512MiB', not a bool")
+    if isinstance(value, str):
+        match = _SIZE_PATTERN.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"cannot read {value!r} as a byte size; use an integer or a number with one of "
+                f"the units {sorted(u for u in _UNITS if u)} (e.g. '512MiB')"
+            )
+        return int(float(match.group(1)) * _UNITS[unit])
+    return value
+
+
+ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=0)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class OptimizerConfig(_Section):
+    """Adam/AdamW hyper-parameters; used when ``initialize`` is not given a torch optimizer."""
+
+    type: Literal["adam", "adamw"] = Field("adamw", description="adamw decouples weight decay.")
+    lr: float = Field(1e-3, gt=0)
+    # strict=False on sequences: JSON has no tuples, so a list must be accepted.
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), strict=False
+    )
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.01, ge=0)
+
+
+class LossScaleConfig(_Section):
+    """Dynamic loss scaling for fp16: an overflow skips the step and lowers the scale."""
+
+    initial_scale: float = Field(2.0**16, gt=0)
+    growth_factor: float = Field(2.0, gt=1)
+    backoff_factor: float = Field(0.5, gt=0, lt=1)
+    growth_interval: int = Field(1000, ge=1, description="Overflow-free steps before growing.")
+    min_scale: float = Field(1.0, gt=0)
+
+
+class DeviceConfig(_Section):
+    """The compute device and how much of it chunks and activations may use."""
+
+    type: Literal["auto", "cuda", "simulated"] = Field(
+        "auto",
+        description="auto: cuda when available, else a simulated device (a capacity-limited "
+        "pool in host memory with exact accounting, running the same placement code).",
+    )
+    capacity: ByteSize | None = Field(
+        None,
+        description="Bytes the engine may use on the device. Required for the simulated device; "
+        "on CUDA defaults to 90% of the memory free at initialize.",
+    )
+
+
+class HostConfig(_Section):
+    """Host memory for chunks that are not on the device."""
+
+    capacity: ByteSize | None = Field(
+        None, description="Bytes of host memory the engine may use; None means unlimited."
+    )
+
+
+class ChunkConfig(_Section):
+    """Chunk geometry."""
+
+    size: int | Literal["auto"] = Field(
+        "auto",
+        description="Elements per chunk. auto searches the size that wastes the least padding "
+        "while a chunk stays a small fraction of the device capacity.",
+    )
+    max_fraction_of_capacity: float = Field(
+        0.125,
+        gt=0,
+        le=0.5,
+        description="Upper bound on one 16/32-bit parameter chunk as a fraction of device "
+        "capacity, so that several chunks and the activations fit at once.",
+    )
+
+
+class PlacementConfig(_Section):
+    """How chunks are placed and moved between device and host."""
+
+    policy: Literal["belady", "lru"] = Field(
+        "belady",
+        description="belady evicts the chunk whose next traced use is farthest; lru the least "
+        "recently used one (a baseline).",
+    )
+    prefetch: bool = Field(True, description="Fetch the next traced chunks while budget allows.")
+    nonmodel_margin: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Head-room added to the traced non-model peak when budgeting chunks; "
+        "raise it on CUDA where allocator fragmentation adds to the traced bytes.",
+    )
+    optimizer_states: Literal["auto", "device", "host"] = Field(
+        "auto",
+        description="Where fp32 masters and Adam states live and are updated. auto puts as many "
+        "chunk groups on the device as the traced margin allows, the rest on the host.",
+    )
+
+
+class ReportConfig(_Section):
+    """Memory-trace report written by ``engine.write_report()``."""
+
+    formats: tuple[Literal["json", "html", "snapshot"], ...] = Field(
+        ("json", "html", "snapshot"), strict=False
+    )
+    max_move_events: int = Field(
+        200_000, ge=0, description="Chunk moves kept for the report; older ones are counted only."
+    )
+
+
+class Config(_Section):
+    """Everything ``chunkmem.initialize`` reads. Load with :meth:`from_dict` or :meth:`from_json`."""
+
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32",
+        description="Compute precision of parameters. bf16/fp16 keep fp32 master weights in "
+        "chunks and let gradients reuse the 16-bit parameter slot.",
+    )
+    gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_clipping: float = Field(
+        0.0, ge=0, description="Max global L2 norm of all gradients; 0 disables clipping."
+    )
+    optimizer: OptimizerConfig = OptimizerConfig()
+    loss_scale: LossScaleConfig = LossScaleConfig()
+    device: DeviceConfig = DeviceConfig()
+    host: HostConfig = HostConfig()
+    chunk: ChunkConfig = ChunkConfig()
+    placement: PlacementConfig = PlacementConfig()
+    report: ReportConfig = ReportConfig()
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        if not isinstance(data, dict):
+            raise ConfigError(f"a config must be a dict (JSON object), got {type(data).__name__}")
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(_describe(exc)) from None
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Config:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def coerce(cls, config: Config | dict[str, Any] | str | Path | None) -> Config:
+        """Accept what users pass to ``initialize``: a Config, a dict, a JSON path or None."""
+        if config is None:
+            return cls()
+        if isinstance(config, Config):
+            return config
+        if isinstance(config, dict):
+            return cls.from_dict(config)
+        if isinstance(config, (str, Path)):
+            return cls.from_json(config)
+        raise ConfigError(
+            f"config must be a chunkmem Config, a dict or a path to a JSON file, "
+            f"got {type(config).__name__}"
+        )
+
+
+def _section_at(location: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model class that owns the key at ``location`` (None if not a model)."""
+    model: type[BaseModel] = Config
+    for part in location[:-1]:
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        model = annotation
+    return model
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        location = tuple(error["loc"])
+        key = ".".join(str(part) for part in location) or "<root>"
+        if error["type"] == "extra_forbidden":
+            section = _section_at(location)
+            valid = sorted(section.model_fields) if section else []
+            close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.5)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            lines.append(f"unknown config key {key!r}: {hint}valid keys here are {valid}")
+        else:
+            value = error.get("input")
+            lines.append(
+                f"config key {key!r}: {error['msg']} (got {value!r} of type {type(value).__name__})"
+            )
+    return "invalid chunkmem config:\n  " + "\n  ".join(lines)

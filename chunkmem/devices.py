@@ -1,0 +1,210 @@
+"""The compute device a chunk manager places chunks on: real CUDA or a simulated pool.
+
+Both expose the same few mechanisms (allocate, copy in and out, wait, measure non-model
+memory), so placement, eviction, prefetch and tracing run the same code on either.
+
+[Note: simulated device] On machines without a GPU the "device" is host memory with a
+capacity enforced by the ledger. Its non-model memory cannot be read from an allocator, so it
+is the bytes of tensors autograd saves for backward plus gradients in flight, counted exactly
+by the saved-tensor and gradient hooks. Temporaries that live inside one operator are not
+counted; on CUDA the allocator's own statistics include them.
+"""
+
+from __future__ import annotations
+
+import abc
+import warnings
+
+import torch
+
+from chunkmem.errors import CapacityError
+
+
+class NonModelMeter:
+    """Current and peak non-model bytes on the device since the last ``reset_peak``.
+
+    The hooks report every saved activation and in-flight gradient with ``add``/``remove``;
+    the simulated device uses those counts as its measurement.
+    """
+
+    def __init__(self) -> None:
+        self._counted = 0
+        self._peak = 0
+
+    def add(self, nbytes: int) -> None:
+        self._counted += nbytes
+        self._peak = max(self._peak, self._counted)
+
+    def remove(self, nbytes: int) -> None:
+        self._counted -= nbytes
+
+    def current(self, chunk_bytes_on_device: int) -> int:
+        return self._counted
+
+    def peak(self, chunk_bytes_on_device: int) -> int:
+        return self._peak
+
+    def reset_peak(self, chunk_bytes_on_device: int) -> None:
+        self._peak = self.current(chunk_bytes_on_device)
+
+
+class CudaAllocatorMeter(NonModelMeter):
+    """Non-model bytes = bytes the CUDA caching allocator has allocated minus chunk bytes."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self._device = device
+
+    def current(self, chunk_bytes_on_device: int) -> int:
+        return max(0, torch.cuda.memory_allocated(self._device) - chunk_bytes_on_device)
+
+    def peak(self, chunk_bytes_on_device: int) -> int:
+        return max(0, torch.cuda.max_memory_allocated(self._device) - chunk_bytes_on_device)
+
+    def reset_peak(self, chunk_bytes_on_device: int) -> None:
+        torch.cuda.reset_peak_memory_stats(self._device)
+
+
+class ComputeDevice(abc.ABC):
+    """Allocation and copies for the tier operators run on."""
+
+    kind: str
+    torch_device: torch.device
+    meter: NonModelMeter
+
+    @abc.abstractmethod
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A device buffer (accounting is the caller's job, through the ledger)."""
+
+    @abc.abstractmethod
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer that device copies can use (pinned on CUDA)."""
+
+    @abc.abstractmethod
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        """Start copying ``host`` to a new device buffer; returns it and an event to wait on."""
+
+    @abc.abstractmethod
+    def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:
+        """Start copying ``device_tensor`` into ``host``; returns an event to wait on."""
+
+    @abc.abstractmethod
+    def wait(self, event: object | None) -> None:
+        """Make the compute stream wait for ``event`` (device side)."""
+
+    @abc.abstractmethod
+    def wait_host(self, event: object | None) -> None:
+        """Block the host until ``event`` completed (before reading a host buffer)."""
+
+
+class SimulatedDevice(ComputeDevice):
+    """A capacity-limited pool in host memory; copies are synchronous."""
+
+    kind = "simulated"
+
+    def __init__(self) -> None:
+        self.torch_device = torch.device("cpu")
+        self.meter = NonModelMeter()
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype)
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        return host.clone(), None
+
+    def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:
+        host.copy_(device_tensor)
+        return None
+
+    def wait(self, event: object | None) -> None:
+        return None
+
+    def wait_host(self, event: object | None) -> None:
+        return None
+
+
+class CudaDevice(ComputeDevice):
+    """A CUDA device: pinned host buffers, copies on a side stream ordered by events."""
+
+    kind = "cuda"
+
+    def __init__(self, index: int | None = None) -> None:
+        if not torch.cuda.is_available():
+            raise CapacityError(
+                "device.type is 'cuda' but torch sees no CUDA device; use device.type "
+                "'simulated' (with device.capacity) on machines without a GPU"
+            )
+        self.torch_device = torch.device(
+            "cuda", torch.cuda.current_device() if index is None else index
+        )
+        self.copy_stream = torch.cuda.Stream(self.torch_device)
+        self.meter = CudaAllocatorMeter(self.torch_device)
+
+    def free_bytes(self) -> int:
+        free, _total = torch.cuda.mem_get_info(self.torch_device)
+        return free
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(numel, dtype=dtype, device=self.torch_device)
+
+    def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        try:
+            return torch.empty(numel, dtype=dtype, pin_memory=True)
+        except RuntimeError as exc:  # pinned memory exhausted: pageable still works, slower
+            warnings.warn(
+                f"pinned host allocation failed ({exc}); using pageable memory", stacklevel=2
+            )
+            return torch.empty(numel, dtype=dtype)
+
+    def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        compute = torch.cuda.current_stream(self.torch_device)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_stream(compute)
+            buffer = torch.empty(host.numel(), dtype=host.dtype, device=self.torch_device)
+            buffer.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        # The buffer was allocated on the copy stream; tell the allocator the compute stream
+        # uses it too, so its memory is not reused before compute work on it finished.
+        buffer.record_stream(compute)
+        return buffer, event
+
+    def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:
+        compute = torch.cuda.current_stream(self.torch_device)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_stream(compute)
+            host.copy_(device_tensor, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        # The caller drops its reference to device_tensor next; keep the memory alive until
+        # the copy stream has read it.
+        device_tensor.record_stream(self.copy_stream)
+        return event
+
+    def wait(self, event: object | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.torch_device).wait_event(event)  # type: ignore[arg-type]
+
+    def wait_host(self, event: object | None) -> None:
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+
+
+def make_device(kind: str, capacity: int | None) -> tuple[ComputeDevice, int]:
+    """Build the configured device and resolve its capacity in bytes."""
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "simulated"
+    if kind == "simulated":
+        if capacity is None:
+            raise CapacityError(
+                "the simulated device needs a capacity: set device.capacity in the config "
+                '(e.g. "512MiB"); it is the budget chunks and activations must fit in'
+            )
+        return SimulatedDevice(), capacity
+    device = CudaDevice()
+    if capacity is None:
+        capacity = int(device.free_bytes() * 0.9)
+    return device, capacity

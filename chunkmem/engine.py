@@ -1,0 +1,309 @@
+"""The training engine users drive: ``engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
+
+An explicit phase machine keeps the three calls in order; a call out of order raises
+:class:`EngineUsageError` saying what to call instead. An exception inside forward, backward
+or step aborts the cycle: tensor states are reset, gradients of the cycle are discarded and
+any parameter slot that held a gradient gets its value back from the fp32 master, so the
+engine can carry on with the next batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import math
+from collections.abc import Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from chunkmem.chunk import ChunkKind, Tier
+from chunkmem.config import Config
+from chunkmem.errors import EngineUsageError
+from chunkmem.hooks import (
+    ActivationCounter,
+    ModuleHooks,
+    UnhookedAccessMode,
+    cast_floating,
+    make_saved_tensor_hooks,
+)
+from chunkmem.ledger import Ledger
+from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
+from chunkmem.manager import ChunkManager
+from chunkmem.optimizer import ChunkAdam, clip_coefficient, global_grad_norm
+from chunkmem.packing import ChunkSizeChoice
+from chunkmem.states import TensorState
+from chunkmem.tracer import Tracer
+
+
+class EnginePhase(enum.Enum):
+    """Where the engine is within a micro-step.
+
+    IDLE: no graph pending; a forward may start.
+    FORWARD_DONE: a training forward ran; ``backward`` must follow.
+    BACKWARD_DONE: gradients are stored in chunks; ``step`` must follow.
+    """
+
+    IDLE = "idle"
+    FORWARD_DONE = "forward_done"
+    BACKWARD_DONE = "backward_done"
+
+
+def input_signature(args: tuple, kwargs: dict) -> Hashable:
+    """Shapes and dtypes of the batch: traces are kept per signature."""
+    flat, _ = tree_flatten((args, kwargs))
+    parts: list[Hashable] = []
+    for value in flat:
+        if isinstance(value, torch.Tensor):
+            parts.append((tuple(value.shape), str(value.dtype)))
+        elif isinstance(value, (int, float, str, bool, type(None))):
+            parts.append(value)
+        else:
+            parts.append(type(value).__name__)
+    return tuple(parts)
+
+
+class Engine:
+    """Wraps a model whose parameters and optimizer states live in chunks."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        config: Config,
+        manager: ChunkManager,
+        hooks: ModuleHooks,
+        activations: ActivationCounter,
+        optimizer: ChunkAdam,
+        chunk_choice: ChunkSizeChoice,
+        grad_hook_handles: list[Any],
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.manager = manager
+        self.hooks = hooks
+        self.activations = activations
+        self.optimizer = optimizer
+        self.chunk_choice = chunk_choice
+        self._grad_hook_handles = grad_hook_handles
+        self.scaler = (
+            DynamicLossScaler(config.loss_scale)
+            if config.precision == "fp16"
+            else StaticLossScale()
+        )
+        self.phase = EnginePhase.IDLE
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.last_grad_norm: float | None = None
+        self._pack, self._unpack = make_saved_tensor_hooks(manager, activations)
+
+    # ---------------------------------------------------------------- accessors
+    @property
+    def ledger(self) -> Ledger:
+        return self.manager.ledger
+
+    @property
+    def tracer(self) -> Tracer:
+        return self.manager.tracer
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.manager.compute_dtype
+
+    @property
+    def loss_scale(self) -> float:
+        return self.scaler.scale
+
+    # ---------------------------------------------------------------- the three calls
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.phase is EnginePhase.FORWARD_DONE:
+            raise EngineUsageError(
+                "forward called again before backward; call engine.backward(loss) first, or "
+                "run evaluation forwards under torch.no_grad()"
+            )
+        if self.phase is EnginePhase.BACKWARD_DONE:
+            raise EngineUsageError(
+                "call engine.step() after engine.backward() before the next forward"
+            )
+        training = torch.is_grad_enabled()
+        if not training and self.tracer.in_cycle:
+            raise EngineUsageError(
+                "an evaluation forward (no grad) in the middle of gradient accumulation; "
+                "finish the accumulation window with engine.step() first"
+            )
+        args, kwargs = cast_floating(
+            (args, kwargs), self.compute_dtype, self.manager.device.torch_device
+        )
+        if not self.tracer.in_cycle:
+            self.tracer.begin_cycle(
+                ("train" if training else "eval", input_signature(args, kwargs))
+            )
+        recording = not self.tracer.replaying
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                mode = (
+                    UnhookedAccessMode(self.manager, self.hooks)
+                    if recording
+                    else contextlib.nullcontext()
+                )
+                with mode:
+                    output = self.module(*args, **kwargs)
+            if not self.manager.all_packed:
+                self.manager.pack_remaining(Tier.HOST)
+        except BaseException:
+            self._abort()
+            raise
+        if training:
+            self.phase = EnginePhase.FORWARD_DONE
+        else:
+            self.manager.reset_states()
+            self.tracer.end_cycle()
+        return output
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        if self.phase is not EnginePhase.FORWARD_DONE:
+            raise EngineUsageError(
+                f"engine.backward() needs a training forward first (the engine is {self.phase.value})"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            raise EngineUsageError(
+                "engine.backward() takes the scalar loss tensor returned from the forward "
+                "(it must require grad)"
+            )
+        factor = self.scaler.scale / self.config.gradient_accumulation_steps
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                (loss * factor if factor != 1.0 else loss).backward()
+            self.hooks.finish_backward()
+            self.manager.release_all(TensorState.HOLD_AFTER_BWD)
+        except BaseException:
+            self._abort()
+            raise
+        self.phase = EnginePhase.BACKWARD_DONE
+
+    def step(self) -> bool:
+        """Count a micro-step; at the accumulation boundary update the parameters.
+
+        Returns True when the parameters were updated, False when only a micro-step was
+        counted or an fp16 overflow skipped the update.
+        """
+        if self.phase is not EnginePhase.BACKWARD_DONE:
+            raise EngineUsageError(
+                f"engine.step() needs engine.backward() first (the engine is {self.phase.value})"
+            )
+        self.micro_steps += 1
+        if self.micro_steps < self.config.gradient_accumulation_steps:
+            self.phase = EnginePhase.IDLE
+            return False
+        try:
+            if self.manager.optimizer_homes is None:
+                peak = max(self.tracer.observed.nonmodel_peak, default=0)
+                self.manager.place_optimizer_states(peak)
+            found_inf, divisor = self._unscale_and_clip()
+            if found_inf:
+                self.optimizer.restore_from_masters()
+            else:
+                self.optimizer.step(divisor)
+            self.scaler.update(found_inf)
+        except BaseException:
+            self._abort()
+            raise
+        self._end_cycle()
+        self.global_steps += 1
+        return not found_inf
+
+    # ---------------------------------------------------------------- internals
+    def _unscale_and_clip(self) -> tuple[bool, float]:
+        scale = self.scaler.scale
+        clipping = self.config.gradient_clipping
+        if clipping <= 0 and self.config.precision != "fp16":
+            return False, 1.0
+        norm = global_grad_norm(self.manager) / scale
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            if self.config.precision == "fp16":
+                return True, 1.0
+            raise FloatingPointError(
+                f"the global gradient norm is {norm} at step {self.global_steps}: training "
+                f"diverged; lower the learning rate or check the data"
+            )
+        return False, scale / clip_coefficient(norm, clipping)
+
+    def _end_cycle(self) -> None:
+        self.manager.clear_grads()
+        self.manager.reset_states()
+        self.tracer.end_cycle()
+        self.ledger.iteration += 1
+        self.micro_steps = 0
+        self.phase = EnginePhase.IDLE
+
+    def _abort(self) -> None:
+        self.hooks.reset()
+        self.manager.discard_grads()
+        self.manager.reset_states()
+        self.tracer.abandon_cycle()
+        self.micro_steps = 0
+        self.phase = EnginePhase.IDLE
+
+    # ---------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict on the CPU: fp32 values of trainable parameters, buffers.
+
+        Keys are those of ``module.state_dict()`` (tied parameters appear under each name).
+        """
+        state = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.nn.Parameter) and self.manager.is_managed(value):
+                slot = self.manager.slots.get(value)
+                state[key] = (
+                    self.manager.values(slot) if slot else value.detach().to("cpu", copy=True)
+                )
+            else:
+                state[key] = value.detach().to("cpu", copy=True)
+        return state
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes of chunks by kind, over both tiers (padding included)."""
+        totals: dict[str, int] = {}
+        for chunk in self.manager.chunks.values():
+            totals[chunk.kind.value] = totals.get(chunk.kind.value, 0) + chunk.nbytes
+        return totals
+
+    def num_parameters(self) -> int:
+        return sum(s.numel for s in self.manager.slots.values()) + sum(
+            p.numel() for p in self.manager.pending
+        )
+
+    def write_report(self, directory: str | Path) -> dict[str, Path]:
+        """Write the memory-trace report (formats from the config); returns the paths."""
+        from chunkmem.report import write_report
+
+        return write_report(self, Path(directory), self.config.report.formats)
+
+    def close(self) -> None:
+        """Remove every hook this engine put on the model."""
+        self.hooks.detach()
+        for handle in self._grad_hook_handles:
+            handle.remove()
+        self._grad_hook_handles.clear()
+
+    def chunk_summary(self) -> dict[str, Any]:
+        layouts = self.manager.layouts
+        return {
+            "chunk_size_elements": self.chunk_choice.size,
+            "layouts": len(layouts),
+            "chunks_by_kind": {
+                kind.value: sum(1 for c in self.manager.chunks.values() if c.kind is kind)
+                for kind in ChunkKind
+            },
+            "padding_elements": sum(layout.padding for layout in layouts),
+            "used_elements": sum(layout.used for layout in layouts),
+            "search": {
+                "padding_elements": self.chunk_choice.padding_elements,
+                "waste_fraction": self.chunk_choice.waste_fraction,
+                "oversized_tensors": self.chunk_choice.oversized_tensors,
+                "candidates_tried": self.chunk_choice.candidates_tried,
+            },
+        }

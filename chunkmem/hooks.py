@@ -1,0 +1,297 @@
+"""Hooks that turn a model's execution into chunk accesses and moments.
+
+- Module forward pre/post hooks: a module's parameters are accessed before its forward and
+  released after it; the pre-forward is a tracer moment.
+- Pre-backward: a hook on the module's outputs fires when their gradient arrives, before the
+  module's backward runs. Post-backward: an identity autograd function on the module's inputs
+  fires once their gradients are computed, i.e. after the module's backward.
+- Saved-tensor hooks: a tensor saved for backward that aliases a parameter chunk is stored as
+  a token (geometry only) and rebuilt from the chunk on unpack, so evicting the chunk really
+  frees it; every other saved tensor is counted as non-model memory while it lives.
+- While a trace is being recorded, a torch-function mode catches parameter uses that no
+  module hook arranged (a parent reading ``self.child.weight``); they are served on demand and
+  added to that module's accesses from then on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from chunkmem.devices import NonModelMeter
+from chunkmem.manager import ChunkManager, ParamToken
+from chunkmem.states import TensorState
+from chunkmem.tracer import Phase
+
+
+class _Internal:
+    """Marks chunkmem's own work so the torch-function mode does not intercept it."""
+
+    depth = 0
+
+    def __enter__(self) -> None:
+        _Internal.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        _Internal.depth -= 1
+
+
+internal = _Internal()
+
+
+class ActivationCounter:
+    """Counts bytes of tensors saved for backward, once per storage, while they are alive."""
+
+    def __init__(self, meter: NonModelMeter, manager: ChunkManager) -> None:
+        self._meter = meter
+        self._manager = manager
+        self._storages: dict[int, list[int]] = {}  # data_ptr -> [references, nbytes]
+
+    def hold(self, tensor: torch.Tensor) -> _SavedActivation:
+        storage = tensor.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
+        entry = self._storages.get(key)
+        if entry is None:
+            self._storages[key] = [1, nbytes]
+            self._meter.add(nbytes)
+            self._manager.on_nonmodel_change()
+        else:
+            entry[0] += 1
+        return _SavedActivation(tensor, key, self)
+
+    def drop(self, key: int) -> None:
+        entry = self._storages[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._storages[key]
+            self._meter.remove(entry[1])
+            self._manager.on_nonmodel_change()
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(nbytes for _refs, nbytes in self._storages.values())
+
+
+class _SavedActivation:
+    __slots__ = ("tensor", "_key", "_counter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, counter: ActivationCounter) -> None:
+        self.tensor = tensor
+        self._key = key
+        self._counter = counter
+
+    def __del__(self) -> None:
+        self._counter.drop(self._key)
+
+
+def make_saved_tensor_hooks(manager: ChunkManager, counter: ActivationCounter):
+    """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
+    compute_device = manager.device.torch_device
+
+    def pack(tensor: torch.Tensor) -> Any:
+        with internal:
+            token = manager.token_for(tensor)
+            if token is not None:
+                return token
+            if tensor.device != compute_device or tensor.layout is not torch.strided:
+                return tensor
+            if tensor.untyped_storage().nbytes() == 0:
+                return tensor
+            return counter.hold(tensor)
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if isinstance(packed, ParamToken):
+            with internal:
+                return manager.unpack(packed)
+        if isinstance(packed, _SavedActivation):
+            return packed.tensor
+        return packed
+
+    return pack, unpack
+
+
+@dataclass(eq=False)
+class _Call:
+    """One call of a module: its backward hooks fire at most once each."""
+
+    module: torch.nn.Module
+    label: str
+    params: list[torch.nn.Parameter]
+    pre_backward_done: bool = False
+    post_backward_done: bool = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs after the module's backward."""
+
+    @staticmethod
+    def forward(ctx, hooks: ModuleHooks, call: _Call, *inputs: torch.Tensor):  # type: ignore[override]
+        ctx.hooks = hooks
+        ctx.call = call
+        return inputs if len(inputs) > 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        with internal:
+            ctx.hooks.post_backward(ctx.call)
+        return (None, None, *grads)
+
+
+@dataclass
+class ModuleHooks:
+    """Registers and runs the module hooks of one model."""
+
+    manager: ChunkManager
+    labels: dict[torch.nn.Module, str] = field(default_factory=dict)
+    accesses: dict[torch.nn.Module, list[torch.nn.Parameter]] = field(default_factory=dict)
+    stack: list[torch.nn.Module] = field(default_factory=list)
+    open_calls: list[_Call] = field(default_factory=list)
+    _in_forward: dict[torch.nn.Module, list[_Call]] = field(default_factory=dict)
+    _handles: list[Any] = field(default_factory=list)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        for name, module in model.named_modules(remove_duplicate=True):
+            self.labels[module] = name or "<root>"
+            own = list(dict.fromkeys(module.parameters(recurse=False)))
+            self.accesses[module] = [p for p in own if self.manager.is_managed(p)]
+            self._handles.append(
+                module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+            )
+            self._handles.append(module.register_forward_hook(self._post_forward))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def learn_access(self, param: torch.nn.Parameter) -> None:
+        """Record that the module now running uses ``param`` without owning it."""
+        module = self.stack[-1] if self.stack else next(iter(self.labels))
+        if not any(p is param for p in self.accesses[module]):
+            self.accesses[module].append(param)
+
+    def reset(self) -> None:
+        self.stack.clear()
+        self.open_calls.clear()
+        self._in_forward.clear()
+
+    # forward
+    def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        with internal:
+            return self._pre_forward_inner(module, args, kwargs)
+
+    def _post_forward(self, module: torch.nn.Module, args: tuple, output: Any) -> None:
+        with internal:
+            self._post_forward_inner(module, output)
+
+    def _pre_forward_inner(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
+        self.stack.append(module)
+        params = self.accesses[module]
+        if not params:
+            return None
+        label = self.labels[module]
+        self.manager.enter_moment(Phase.FORWARD, label)
+        self.manager.access(params)
+        self.manager.after_access()
+        if not torch.is_grad_enabled():
+            return None
+        call = _Call(module, label, params)
+        self._in_forward.setdefault(module, []).append(call)
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [
+            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if not positions:
+            return None
+        wrapped = _PostBackward.apply(self, call, *(flat[i] for i in positions))
+        if len(positions) == 1:
+            wrapped = (wrapped,)
+        for position, tensor in zip(positions, wrapped, strict=True):
+            flat[position] = tensor
+        return spec.unflatten(flat)
+
+    def _post_forward_inner(self, module: torch.nn.Module, output: Any) -> None:
+        self.stack.pop()
+        params = self.accesses[module]
+        if not params:
+            return
+        self.manager.release(params, TensorState.HOLD_AFTER_FWD)
+        calls = self._in_forward.get(module)
+        if not calls or not torch.is_grad_enabled():
+            return
+        call = calls.pop()
+
+        def on_output_grad(grad: torch.Tensor) -> None:
+            with internal:
+                self.pre_backward(call)
+
+        for tensor in _tensors(output):
+            if tensor.requires_grad:
+                tensor.register_hook(on_output_grad)
+
+    # backward
+    def pre_backward(self, call: _Call) -> None:
+        if call.pre_backward_done:
+            return
+        call.pre_backward_done = True
+        self.manager.enter_moment(Phase.BACKWARD, call.label)
+        self.manager.access(call.params)
+        self.manager.after_access()
+        self.open_calls.append(call)
+
+    def post_backward(self, call: _Call) -> None:
+        if call.post_backward_done or not call.pre_backward_done:
+            return
+        call.post_backward_done = True
+        self.manager.release(call.params, TensorState.HOLD_AFTER_BWD)
+        self.open_calls.remove(call)
+
+    def finish_backward(self) -> None:
+        """Close calls whose inputs needed no gradient (their post-backward never fires)."""
+        for call in list(self.open_calls):
+            self.post_backward(call)
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    flat, _ = tree_flatten(output)
+    return (x for x in flat if isinstance(x, torch.Tensor))
+
+
+class UnhookedAccessMode(TorchFunctionMode):
+    """While recording: serve and learn parameter uses that no module hook arranged."""
+
+    def __init__(self, manager: ChunkManager, hooks: ModuleHooks) -> None:
+        super().__init__()
+        self._manager = manager
+        self._hooks = hooks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if not _Internal.depth:
+            flat, _ = tree_flatten((args, kwargs))
+            for value in flat:
+                if isinstance(value, torch.nn.Parameter) and self._manager.is_managed(value):
+                    slot = self._manager.slots.get(value)
+                    if slot is None or slot.state is not TensorState.COMPUTE:
+                        with internal:
+                            self._manager.materialize(value)
+                            self._hooks.learn_access(value)
+        return func(*args, **kwargs)
+
+
+def cast_floating(tree: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    """Move tensors to ``device`` and floating-point ones to ``dtype`` (model inputs)."""
+
+    def convert(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        if x.is_floating_point() and x.dtype != dtype:
+            return x.to(device=device, dtype=dtype)
+        return x.to(device=device)
+
+    return tree_map(convert, tree)

@@ -1,0 +1,186 @@
+"""The one ledger of bytes: what each tier holds by kind, every chunk move, per-moment samples.
+
+Tests, benchmarks and reports read numbers from here and nowhere else. Capacities are
+enforced here: an allocation that would exceed a tier's capacity raises, so "device bytes
+never exceeded capacity" is a fact the ledger can state, not an estimate.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from chunkmem.errors import OutOfMemoryError
+
+WORKSPACE = "workspace"  # transient buffers the engine allocates (e.g. fp32 gradient casts)
+
+
+@dataclass
+class TierAccount:
+    """Bytes one tier holds, split by kind, plus non-model bytes (device only)."""
+
+    name: str
+    capacity: int | None
+    by_kind: Counter[str] = field(default_factory=Counter)
+    nonmodel: int = 0
+    peak: int = 0
+    peak_model: int = 0
+
+    @property
+    def model_bytes(self) -> int:
+        return sum(v for k, v in self.by_kind.items() if k != WORKSPACE)
+
+    @property
+    def used(self) -> int:
+        return sum(self.by_kind.values()) + self.nonmodel
+
+    @property
+    def available(self) -> int | None:
+        return None if self.capacity is None else self.capacity - self.used
+
+    def _update_peak(self) -> None:
+        self.peak = max(self.peak, self.used)
+        self.peak_model = max(self.peak_model, self.model_bytes)
+
+
+@dataclass(frozen=True)
+class MoveEvent:
+    """One chunk crossing between tiers."""
+
+    seq: int
+    iteration: int
+    moment: str
+    chunk_id: int
+    kind: str
+    src: str
+    dst: str
+    nbytes: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class MomentSample:
+    """Bytes per tier at the start of a moment (and the non-model peak until the next one)."""
+
+    iteration: int
+    index: int
+    label: str
+    device_by_kind: dict[str, int]
+    device_nonmodel: int
+    host_by_kind: dict[str, int]
+
+
+class Ledger:
+    """Accounts allocations, non-model bytes and moves for the device and host tiers."""
+
+    def __init__(
+        self,
+        device_capacity: int | None,
+        host_capacity: int | None,
+        max_move_events: int = 200_000,
+    ) -> None:
+        self.tiers = {
+            "device": TierAccount("device", device_capacity),
+            "host": TierAccount("host", host_capacity),
+        }
+        self.max_move_events = max_move_events
+        self.moves: list[MoveEvent] = []
+        self.moves_dropped = 0
+        self.moment_samples: list[MomentSample] = []
+        self.iteration = 0
+        self.moment_label = "init"
+        self.bytes_to_device: Counter[int] = Counter()  # by iteration
+        self.bytes_to_host: Counter[int] = Counter()
+        self._seq = 0
+
+    @property
+    def device(self) -> TierAccount:
+        return self.tiers["device"]
+
+    @property
+    def host(self) -> TierAccount:
+        return self.tiers["host"]
+
+    def would_fit(self, tier: str, nbytes: int) -> bool:
+        available = self.tiers[tier].available
+        return available is None or nbytes <= available
+
+    def allocate(self, tier: str, kind: str, nbytes: int, what: str) -> None:
+        account = self.tiers[tier]
+        if not self.would_fit(tier, nbytes):
+            raise OutOfMemoryError(
+                tier,
+                nbytes,
+                max(0, account.available or 0),
+                f"while allocating {what} at moment {self.moment_label!r} "
+                f"({self.describe(tier)}). Raise the {tier} capacity in the config, lower the "
+                f"batch size or sequence length, or use a smaller chunk size.",
+            )
+        account.by_kind[kind] += nbytes
+        account._update_peak()
+
+    def free(self, tier: str, kind: str, nbytes: int) -> None:
+        account = self.tiers[tier]
+        if account.by_kind[kind] < nbytes:
+            raise AssertionError(
+                f"ledger underflow freeing {nbytes} bytes of {kind} on {tier} "
+                f"(holds {account.by_kind[kind]})"
+            )
+        account.by_kind[kind] -= nbytes
+
+    def set_nonmodel(self, nbytes: int) -> None:
+        """Record the device's current non-model bytes (activations, transient gradients)."""
+        self.device.nonmodel = nbytes
+        self.device._update_peak()
+
+    def overflow(self, tier: str = "device") -> int:
+        """Bytes by which the tier is over capacity right now (0 if within)."""
+        available = self.tiers[tier].available
+        return 0 if available is None else max(0, -available)
+
+    def record_move(
+        self, chunk_id: int, kind: str, src: str, dst: str, nbytes: int, reason: str
+    ) -> None:
+        self._seq += 1
+        if dst == "device":
+            self.bytes_to_device[self.iteration] += nbytes
+        else:
+            self.bytes_to_host[self.iteration] += nbytes
+        if len(self.moves) < self.max_move_events:
+            self.moves.append(
+                MoveEvent(
+                    self._seq,
+                    self.iteration,
+                    self.moment_label,
+                    chunk_id,
+                    kind,
+                    src,
+                    dst,
+                    nbytes,
+                    reason,
+                )
+            )
+        else:
+            self.moves_dropped += 1
+
+    def sample_moment(self, index: int, label: str) -> None:
+        self.moment_label = label
+        self.moment_samples.append(
+            MomentSample(
+                self.iteration,
+                index,
+                label,
+                dict(self.device.by_kind),
+                self.device.nonmodel,
+                dict(self.host.by_kind),
+            )
+        )
+
+    def bytes_moved(self, iteration: int) -> int:
+        return self.bytes_to_device[iteration] + self.bytes_to_host[iteration]
+
+    def describe(self, tier: str) -> str:
+        account = self.tiers[tier]
+        parts = ", ".join(f"{k} {v:,}" for k, v in sorted(account.by_kind.items()) if v)
+        capacity = "unlimited" if account.capacity is None else f"{account.capacity:,}"
+        return f"{tier} holds {parts or 'nothing'}; non-model {account.nonmodel:,}; capacity {capacity}"

@@ -1,0 +1,1 @@
+"""Small reference models used by the demo, the tests and the benchmarks."""

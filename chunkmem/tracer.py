@@ -1,0 +1,187 @@
+"""Runtime memory tracer: moments, chunk accesses and non-model memory of a training cycle.
+
+A cycle runs from the first forward after an optimizer step to the end of the next step (all
+micro-batches of gradient accumulation included). The first cycle for an input signature
+(shapes and dtypes of the batch) records a :class:`Trace`; later cycles with that signature
+replay it, so placement knows each chunk's next use and each moment's non-model peak.
+
+A cycle that departs from its trace (a branch taken, a module skipped) stops replaying at
+the first differing moment, falls back to trace-free placement and records itself; if it
+completes, it is kept beside the old trace, so patterns that alternate are both known.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+from chunkmem.chunk import Tier
+
+_TRACES_PER_SIGNATURE = 4
+
+
+class Phase(enum.Enum):
+    FORWARD = "fwd"
+    BACKWARD = "bwd"
+    STEP = "step"
+
+
+@dataclass(frozen=True)
+class Moment:
+    """A point where chunks are accessed: a module's pre-forward or pre-backward, or a step."""
+
+    phase: Phase
+    label: str
+
+    def __str__(self) -> str:
+        return f"{self.phase.value}:{self.label}"
+
+
+@dataclass
+class Trace:
+    """What one cycle did: moments in order, chunks each needed and where, non-model peaks."""
+
+    moments: list[Moment] = field(default_factory=list)
+    accesses: list[dict[int, Tier]] = field(default_factory=list)  # chunk id -> tier needed
+    nonmodel_peak: list[int] = field(default_factory=list)  # until the next moment
+    _device_uses: dict[int, list[int]] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.moments)
+
+    def finalize(self) -> None:
+        """Index every chunk's device uses for fast next-use queries."""
+        uses: dict[int, list[int]] = {}
+        for index, accessed in enumerate(self.accesses):
+            for chunk_id, tier in accessed.items():
+                if tier is Tier.DEVICE:
+                    uses.setdefault(chunk_id, []).append(index)
+        self._device_uses = uses
+
+    def next_device_use(self, chunk_id: int, after: int) -> float:
+        """Moments from ``after`` until the chunk is next needed on the device.
+
+        The trace repeats, so a chunk not needed again this cycle is next needed at its first
+        use in the next one. A chunk the trace never needs on the device returns infinity.
+        """
+        uses = self._device_uses.get(chunk_id)
+        if not uses:
+            return float("inf")
+        position = bisect.bisect_right(uses, after)
+        if position < len(uses):
+            return uses[position] - after
+        return uses[0] + len(self.moments) - after
+
+    def peak_nonmodel(self, start: int, stop: int) -> int:
+        window = self.nonmodel_peak[max(0, start) : stop]
+        return max(window) if window else 0
+
+
+class Tracer:
+    """Records and replays traces per input signature."""
+
+    def __init__(self) -> None:
+        self._traces: dict[Hashable, list[Trace]] = {}
+        self.signature: Hashable | None = None
+        self.replay: Trace | None = None
+        self.observed = Trace()
+        self.index = -1
+        self.cycles_recorded = 0
+        self.divergences = 0
+
+    @property
+    def replaying(self) -> bool:
+        return self.replay is not None
+
+    @property
+    def in_cycle(self) -> bool:
+        return self.signature is not None
+
+    def begin_cycle(self, signature: Hashable) -> None:
+        self.signature = signature
+        known = self._traces.get(signature)
+        self.replay = known[-1] if known else None
+        self.observed = Trace()
+        self.index = -1
+
+    def on_moment(self, moment: Moment, nonmodel_now: int) -> int:
+        """Advance to ``moment``; returns its index in the cycle."""
+        self.index += 1
+        self.observed.moments.append(moment)
+        self.observed.accesses.append({})
+        self.observed.nonmodel_peak.append(nonmodel_now)
+        if self.replay is not None and not self._matches(self.replay):
+            self.replay = self._find_matching()
+            if self.replay is None:
+                self.divergences += 1
+        return self.index
+
+    def on_access(self, chunk_id: int, tier: Tier) -> None:
+        if self.index >= 0:
+            accessed = self.observed.accesses[self.index]
+            # DEVICE wins: a chunk needed on the device at this moment must be there.
+            if accessed.get(chunk_id) is not Tier.DEVICE:
+                accessed[chunk_id] = tier
+
+    def on_nonmodel(self, nbytes: int) -> None:
+        if self.index >= 0 and nbytes > self.observed.nonmodel_peak[self.index]:
+            self.observed.nonmodel_peak[self.index] = nbytes
+
+    def end_cycle(self) -> None:
+        """Keep what this cycle taught: a new trace, or higher peaks for the replayed one."""
+        if self.signature is None:
+            return
+        observed = self.observed
+        replayed = self.replay
+        if replayed is not None and len(replayed) == len(observed):
+            replayed.nonmodel_peak = [
+                max(a, b)
+                for a, b in zip(replayed.nonmodel_peak, observed.nonmodel_peak, strict=True)
+            ]
+            replayed.accesses = observed.accesses
+            replayed.finalize()
+        elif len(observed):
+            observed.finalize()
+            known = self._traces.setdefault(self.signature, [])
+            known.append(observed)
+            del known[:-_TRACES_PER_SIGNATURE]
+            self.cycles_recorded += 1
+        self.signature = None
+        self.replay = None
+        self.index = -1
+
+    def abandon_cycle(self) -> None:
+        """Forget a cycle that ended in an exception; it teaches nothing reliable."""
+        self.signature = None
+        self.replay = None
+        self.index = -1
+
+    def _matches(self, trace: Trace) -> bool:
+        return self.index < len(trace) and trace.moments[self.index] == self.observed.moments[-1]
+
+    def _find_matching(self) -> Trace | None:
+        for trace in reversed(self._traces.get(self.signature, [])):
+            if len(trace) > self.index and trace.moments[: self.index + 1] == self.observed.moments:
+                return trace
+        return None
+
+    # What placement asks.
+    def next_device_use(self, chunk_id: int) -> float:
+        assert self.replay is not None
+        return self.replay.next_device_use(chunk_id, self.index)
+
+    def upcoming(self, lookahead: int) -> list[tuple[int, dict[int, Tier]]]:
+        """The next ``lookahead`` moments' accesses from the replayed trace."""
+        if self.replay is None:
+            return []
+        stop = min(len(self.replay), self.index + 1 + lookahead)
+        return [(i, self.replay.accesses[i]) for i in range(self.index + 1, stop)]
+
+    def traced_nonmodel_peak(self, start: int, stop: int) -> int:
+        assert self.replay is not None
+        return self.replay.peak_nonmodel(start, stop)
+
+    def traces_for(self, signature: Hashable) -> list[Trace]:
+        return list(self._traces.get(signature, []))
