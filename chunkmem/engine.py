@@ -233,6 +233,7 @@ class Engine:
 
     def _end_cycle(self) -> None:
         self.manager.clear_grads()
+        self.manager.free_grad_chunks()
         self.manager.reset_states()
         self.tracer.end_cycle()
         self.ledger.iteration += 1
@@ -242,6 +243,7 @@ class Engine:
     def _abort(self) -> None:
         self.hooks.reset()
         self.manager.discard_grads()
+        self.manager.free_grad_chunks()
         self.manager.reset_states()
         self.tracer.abandon_cycle()
         self.micro_steps = 0

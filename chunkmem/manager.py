@@ -161,14 +161,38 @@ class ChunkManager:
         self.group[layout.index][kind] = chunk
         if tier is Tier.DEVICE and kind in DYNAMIC_KINDS:
             self._make_room(chunk.nbytes, protect=set(), reason="allocate")
-        self.ledger.allocate(tier.value, kind.value, chunk.nbytes, f"a new {kind.value} chunk")
+        self._allocate_payload(chunk, tier)
+        return chunk
+
+    def _allocate_payload(self, chunk: Chunk, tier: Tier) -> None:
+        """Give a chunk without payload a zeroed one on ``tier``; no bytes move."""
+        what = f"a {chunk.kind.value} chunk"
+        self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what)
         if tier is Tier.DEVICE:
-            chunk.payload = self.device.empty(chunk.numel, dtype).zero_()
+            chunk.payload = self.device.empty(chunk.numel, chunk.dtype).zero_()
             self._device_storage[chunk.payload.untyped_storage().data_ptr()] = chunk
         else:
-            chunk.payload = self.device.host_empty(chunk.numel, dtype).zero_()
+            chunk.payload = self.device.host_empty(chunk.numel, chunk.dtype).zero_()
         chunk.tier = tier
-        return chunk
+
+    def _free_payload(self, chunk: Chunk) -> None:
+        """Drop a chunk's payload: its content is dead (e.g. gradients after the step)."""
+        if chunk.tier is None or chunk.payload is None:
+            return
+        self._ready(chunk)
+        if chunk.tier is Tier.DEVICE:
+            del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
+        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes)
+        chunk.payload, chunk.tier = None, None
+        self.tracer.on_free(chunk.id)
+
+    def free_grad_chunks(self) -> None:
+        """After the step every gradient is consumed; their chunks need no memory until the
+        next backward writes them, and moving dead gradients would waste bandwidth."""
+        for layout in self.layouts:
+            chunk = self.group[layout.index].get(ChunkKind.GRAD)
+            if chunk is not None:
+                self._free_payload(chunk)
 
     # ------------------------------------------------------------------ binding
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
@@ -277,8 +301,12 @@ class ChunkManager:
             )
 
     def _fetch(self, chunk: Chunk, protect: set[int], reason: str) -> None:
-        if chunk.tier is not Tier.DEVICE:
-            self._make_room(chunk.nbytes, protect, reason)
+        if chunk.tier is Tier.DEVICE:
+            return
+        self._make_room(chunk.nbytes, protect, reason)
+        if chunk.tier is None:
+            self._allocate_payload(chunk, Tier.DEVICE)
+        else:
             self._move(chunk, Tier.DEVICE, reason)
 
     def _touch(self, chunk: Chunk, tier: Tier = Tier.DEVICE) -> None:

@@ -167,6 +167,7 @@ def simulate_traffic(
     resident set up, so the result is the steady state, comparable with a measured iteration.
     """
     resident_set = set(resident)
+    dead = set().union(*trace.freed) if trace.freed else set()
     last_access: dict[int, int] = {}
     tick = 0
     result = TrafficResult(0, 0, 0)
@@ -188,11 +189,17 @@ def simulate_traffic(
                 to_host += nbytes[chunk]
             for chunk in plan.to_device:
                 resident_set.add(chunk)
-                to_device += nbytes[chunk]
+                if chunk in dead:
+                    dead.discard(chunk)  # allocated fresh: nothing to copy
+                else:
+                    to_device += nbytes[chunk]
             for chunk, tier in accessed.items():
                 if tier is Tier.DEVICE:
                     tick += 1
                     last_access[chunk] = tick
+            for chunk in trace.freed[index] if trace.freed else ():
+                resident_set.discard(chunk)
+                dead.add(chunk)
             peak = max(peak, sum(nbytes[c] for c in resident_set))
         result = TrafficResult(to_device, to_host, peak)
     return result

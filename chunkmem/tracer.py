@@ -45,6 +45,7 @@ class Trace:
 
     moments: list[Moment] = field(default_factory=list)
     accesses: list[dict[int, Tier]] = field(default_factory=list)  # chunk id -> tier needed
+    freed: list[set[int]] = field(default_factory=list)  # chunks whose content died here
     nonmodel_peak: list[int] = field(default_factory=list)  # until the next moment
     _device_uses: dict[int, list[int]] = field(default_factory=dict)
 
@@ -111,6 +112,7 @@ class Tracer:
         self.index += 1
         self.observed.moments.append(moment)
         self.observed.accesses.append({})
+        self.observed.freed.append(set())
         self.observed.nonmodel_peak.append(nonmodel_now)
         if self.replay is not None and not self._matches(self.replay):
             self.replay = self._find_matching()
@@ -124,6 +126,10 @@ class Tracer:
             # DEVICE wins: a chunk needed on the device at this moment must be there.
             if accessed.get(chunk_id) is not Tier.DEVICE:
                 accessed[chunk_id] = tier
+
+    def on_free(self, chunk_id: int) -> None:
+        if self.index >= 0:
+            self.observed.freed[self.index].add(chunk_id)
 
     def on_nonmodel(self, nbytes: int) -> None:
         if self.index >= 0 and nbytes > self.observed.nonmodel_peak[self.index]:
@@ -141,6 +147,7 @@ class Tracer:
                 for a, b in zip(replayed.nonmodel_peak, observed.nonmodel_peak, strict=True)
             ]
             replayed.accesses = observed.accesses
+            replayed.freed = observed.freed
             replayed.finalize()
         elif len(observed):
             observed.finalize()
