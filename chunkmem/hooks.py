@@ -56,13 +56,15 @@ class ActivationCounter:
         storage = tensor.untyped_storage()
         key, nbytes = storage.data_ptr(), storage.nbytes()
         entry = self._storages.get(key)
-        if entry is None:
-            self._storages[key] = [1, nbytes]
-            self._meter.add(nbytes)
-            self._manager.on_nonmodel_change()
-        else:
+        if entry is not None:
             entry[0] += 1
-        return _SavedActivation(tensor, key, self)
+            return _SavedActivation(tensor, key, self)
+        self._storages[key] = [1, nbytes]
+        self._meter.add(nbytes)
+        # Built before the capacity check: if that raises, the holder's __del__ undoes the count.
+        holder = _SavedActivation(tensor, key, self)
+        self._manager.on_nonmodel_growth()
+        return holder
 
     def drop(self, key: int) -> None:
         entry = self._storages[key]
@@ -70,7 +72,7 @@ class ActivationCounter:
         if entry[0] == 0:
             del self._storages[key]
             self._meter.remove(entry[1])
-            self._manager.on_nonmodel_change()
+            self._manager.account_nonmodel()  # never raises: it runs while graphs are freed
 
     @property
     def live_bytes(self) -> int:

@@ -365,11 +365,16 @@ class ChunkManager:
                 break
             self._move(chunk, Tier.DEVICE, "prefetch")
 
-    def on_nonmodel_change(self) -> None:
-        """Called whenever non-model bytes change: account them; evict if over capacity."""
+    def account_nonmodel(self) -> int:
+        """Record the device's current non-model bytes in the ledger and the trace."""
         nonmodel = self.device.meter.current(self.ledger.device.model_bytes)
         self.ledger.set_nonmodel(nonmodel)
         self.tracer.on_nonmodel(nonmodel)
+        return nonmodel
+
+    def on_nonmodel_growth(self) -> None:
+        """Non-model bytes grew: account them and evict chunks if the device is over capacity."""
+        nonmodel = self.account_nonmodel()
         overflow = self.ledger.overflow("device")
         if not overflow:
             return
@@ -503,7 +508,7 @@ class ChunkManager:
         nbytes = grad.numel() * grad.element_size()
         self.device.meter.add(nbytes)
         try:
-            self.on_nonmodel_change()
+            self.on_nonmodel_growth()
             home = self._grad_home(slot)
             self.ensure_on_device([home])
             home.pins += 1
@@ -522,7 +527,7 @@ class ChunkManager:
         finally:
             del grad
             self.device.meter.remove(nbytes)
-            self.on_nonmodel_change()
+            self.account_nonmodel()
 
     def _repair_grad_slot(self, slot: TensorSlot) -> None:
         """The value of a parameter whose slot holds its gradient is needed: separate them."""

@@ -49,9 +49,7 @@ def train_reference(
     params = [p for p in compute.parameters() if p.requires_grad]
     originals = [p for p in model.parameters() if p.requires_grad]
     # Masters start from the original fp32 weights, not from their 16-bit rounding.
-    masters = (
-        [p.detach().float().clone() for p in originals] if dtype != torch.float32 else params
-    )
+    masters = [p.detach().float().clone() for p in originals] if dtype != torch.float32 else params
     optimizer_cls = torch.optim.AdamW if adamw else torch.optim.Adam
     optimizer = optimizer_cls(masters, lr=lr, weight_decay=weight_decay, fused=True)
     scale = initial_scale if precision == "fp16" else 1.0
@@ -104,3 +102,22 @@ def max_relative_diff(ours: dict[str, torch.Tensor], reference: dict[str, torch.
         diff = float((mine - ref).abs().max())
         worst = max(worst, diff / denominator if denominator > 0 else diff)
     return worst
+
+
+def token_batches(count: int, batch: int, seq: int, vocab: int, seed: int = 1) -> list[tuple]:
+    """(inputs, targets) pairs of random tokens, targets shifted by one."""
+    data = torch.randint(
+        0, vocab, (count, batch, seq + 1), generator=torch.Generator().manual_seed(seed)
+    )
+    return [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in data]
+
+
+def train_engine(engine, batches: Sequence[tuple]) -> list[float]:
+    """Drive ``engine`` over ``batches``: forward, backward, step; returns the losses."""
+    losses = []
+    for batch in batches:
+        loss = engine(*batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses

@@ -5,11 +5,10 @@ from __future__ import annotations
 import copy
 
 import pytest
-import torch
 
 import chunkmem
 from chunkmem.models.gpt import GPT, GPTConfig
-from tests.reference import max_relative_diff, train_reference
+from tests.reference import max_relative_diff, token_batches, train_engine, train_reference
 
 STEPS = 20
 CONFIG = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=4, n_embd=128)
@@ -17,17 +16,12 @@ STATE_BYTES_PER_PARAM = {"fp32": 16, "bf16": 14, "fp16": 14}
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2, "fp16": 2e-3}
 
 
-def batches(count: int, batch: int = 2, seq: int = 32, vocab: int = 256) -> list[tuple]:
-    data = torch.randint(0, vocab, (count, batch, seq + 1), generator=torch.Generator().manual_seed(1))
-    return [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in data]
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_gpt_larger_than_device_matches_plain_pytorch(precision: str) -> None:
     model = GPT(CONFIG)
     state_bytes = STATE_BYTES_PER_PARAM[precision] * CONFIG.num_parameters()
     capacity = int(state_bytes * 0.45)
-    data = batches(STEPS)
+    data = token_batches(STEPS, batch=2, seq=32, vocab=256)
     reference = train_reference(model, data, precision=precision, lr=1e-3)
 
     engine = chunkmem.initialize(
@@ -38,12 +32,7 @@ def test_gpt_larger_than_device_matches_plain_pytorch(precision: str) -> None:
             "optimizer": {"lr": 1e-3},
         },
     )
-    losses = []
-    for x, y in data:
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(float(loss.detach()))
+    losses = train_engine(engine, data)
 
     assert sum(engine.model_state_bytes().values()) > 2 * capacity
     assert engine.ledger.device.peak <= capacity
