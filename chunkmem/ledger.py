@@ -59,6 +59,20 @@ class MoveEvent:
 
 
 @dataclass(frozen=True)
+class AllocationEvent:
+    """One allocation or free on a tier; ``owner`` identifies the buffer (e.g. ``chunk 7``)."""
+
+    seq: int
+    iteration: int
+    moment: str
+    tier: str
+    action: str  # "alloc" | "free"
+    kind: str
+    nbytes: int
+    owner: str
+
+
+@dataclass(frozen=True)
 class MomentSample:
     """Bytes per tier at the start of a moment (and the non-model peak until the next one)."""
 
@@ -86,6 +100,8 @@ class Ledger:
         self.max_move_events = max_move_events
         self.moves: list[MoveEvent] = []
         self.moves_dropped = 0
+        self.allocations: list[AllocationEvent] = []
+        self.allocations_dropped = 0
         self.moment_samples: list[MomentSample] = []
         self.iteration = 0
         self.moment_label = "init"
@@ -105,7 +121,7 @@ class Ledger:
         available = self.tiers[tier].available
         return available is None or nbytes <= available
 
-    def allocate(self, tier: str, kind: str, nbytes: int, what: str) -> None:
+    def allocate(self, tier: str, kind: str, nbytes: int, what: str, owner: str) -> None:
         account = self.tiers[tier]
         if not self.would_fit(tier, nbytes):
             raise OutOfMemoryError(
@@ -118,8 +134,9 @@ class Ledger:
             )
         account.by_kind[kind] += nbytes
         account._update_peak()
+        self._record_allocation(tier, "alloc", kind, nbytes, owner)
 
-    def free(self, tier: str, kind: str, nbytes: int) -> None:
+    def free(self, tier: str, kind: str, nbytes: int, owner: str) -> None:
         account = self.tiers[tier]
         if account.by_kind[kind] < nbytes:
             raise AssertionError(
@@ -127,6 +144,20 @@ class Ledger:
                 f"(holds {account.by_kind[kind]})"
             )
         account.by_kind[kind] -= nbytes
+        self._record_allocation(tier, "free", kind, nbytes, owner)
+
+    def _record_allocation(
+        self, tier: str, action: str, kind: str, nbytes: int, owner: str
+    ) -> None:
+        self._seq += 1
+        if len(self.allocations) < self.max_move_events:
+            self.allocations.append(
+                AllocationEvent(
+                    self._seq, self.iteration, self.moment_label, tier, action, kind, nbytes, owner
+                )
+            )
+        else:
+            self.allocations_dropped += 1
 
     def set_nonmodel(self, nbytes: int) -> None:
         """Record the device's current non-model bytes (activations, transient gradients)."""

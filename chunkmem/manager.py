@@ -167,7 +167,7 @@ class ChunkManager:
     def _allocate_payload(self, chunk: Chunk, tier: Tier) -> None:
         """Give a chunk without payload a zeroed one on ``tier``; no bytes move."""
         what = f"a {chunk.kind.value} chunk"
-        self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what)
+        self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
         if tier is Tier.DEVICE:
             chunk.payload = self.device.empty(chunk.numel, chunk.dtype).zero_()
             self._device_storage[chunk.payload.untyped_storage().data_ptr()] = chunk
@@ -182,7 +182,7 @@ class ChunkManager:
         self._ready(chunk)
         if chunk.tier is Tier.DEVICE:
             del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
-        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes)
+        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
         chunk.payload, chunk.tier = None, None
         self.tracer.on_free(chunk.id)
 
@@ -235,7 +235,11 @@ class ChunkManager:
         if not chunk.movable():
             raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
         self.ledger.allocate(
-            dst.value, chunk.kind.value, chunk.nbytes, f"moving {chunk!r} to {dst.value}"
+            dst.value,
+            chunk.kind.value,
+            chunk.nbytes,
+            f"moving {chunk!r} to {dst.value}",
+            f"chunk {chunk.id}",
         )
         if chunk.kind is ChunkKind.PARAM and src is Tier.DEVICE:
             for slot in chunk.layout.slots:
@@ -248,7 +252,7 @@ class ChunkManager:
             payload = self.device.host_empty(chunk.numel, chunk.dtype)
             event = self.device.to_host(chunk.payload, payload)
             del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
-        self.ledger.free(src.value, chunk.kind.value, chunk.nbytes)
+        self.ledger.free(src.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
         chunk.payload, chunk.tier, chunk.pending_event = payload, dst, event
         self.ledger.record_move(
             chunk.id, chunk.kind.value, src.value, dst.value, chunk.nbytes, reason
@@ -642,13 +646,13 @@ class ChunkManager:
         nbytes = numel * dtype.itemsize
         if tier is Tier.DEVICE:
             self._make_room(nbytes, protect, "workspace")
-            self.ledger.allocate("device", WORKSPACE, nbytes, "a step workspace")
+            self.ledger.allocate("device", WORKSPACE, nbytes, "a step workspace", WORKSPACE)
             return self.device.empty(numel, dtype)
-        self.ledger.allocate("host", WORKSPACE, nbytes, "a step workspace")
+        self.ledger.allocate("host", WORKSPACE, nbytes, "a step workspace", WORKSPACE)
         return self.device.host_empty(numel, dtype)
 
     def free_workspace(self, buffer: torch.Tensor, tier: Tier) -> None:
-        self.ledger.free(tier.value, WORKSPACE, buffer.numel() * buffer.element_size())
+        self.ledger.free(tier.value, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
 
     # ------------------------------------------------------------------ reading values
     def values(self, slot: TensorSlot, prefer_master: bool = True) -> torch.Tensor:

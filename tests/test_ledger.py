@@ -10,12 +10,15 @@ from chunkmem.ledger import Ledger
 
 def test_allocation_beyond_capacity_names_bytes_and_what_to_change() -> None:
     ledger = Ledger(device_capacity=1000, host_capacity=None)
-    ledger.allocate("device", "param", 600, "a param chunk")
+    ledger.allocate("device", "param", 600, "a param chunk", "chunk 0")
     ledger.set_nonmodel(300)
     with pytest.raises(OutOfMemoryError, match=r"200 bytes needed, 100 available") as error:
-        ledger.allocate("device", "grad", 200, "a grad chunk")
+        ledger.allocate("device", "grad", 200, "a grad chunk", "chunk 1")
     assert "Raise the device capacity" in str(error.value)
     assert ledger.device.used == 900 and ledger.device.peak == 900
+    assert [(e.action, e.owner, e.nbytes) for e in ledger.allocations] == [
+        ("alloc", "chunk 0", 600)
+    ]
 
 
 def test_moves_are_counted_per_iteration_and_direction() -> None:
@@ -32,4 +35,4 @@ def test_moves_are_counted_per_iteration_and_direction() -> None:
 def test_free_below_zero_is_a_bug_not_silence() -> None:
     ledger = Ledger(None, None)
     with pytest.raises(AssertionError, match="underflow"):
-        ledger.free("host", "param", 1)
+        ledger.free("host", "param", 1, "chunk 0")
