@@ -234,6 +234,8 @@ class ChunkManager:
         assert src is not None and chunk.payload is not None
         if not chunk.movable():
             raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
+        if dst is Tier.HOST:
+            self._make_host_room(chunk)
         self.ledger.allocate(
             dst.value,
             chunk.kind.value,
@@ -259,6 +261,26 @@ class ChunkManager:
         )
         if chunk.kind is ChunkKind.PARAM and dst is Tier.DEVICE:
             self._bind_arrived(chunk)
+
+    def _make_host_room(self, incoming: Chunk) -> None:
+        """A limited host is full: send host chunks needed soonest on the device up early."""
+        if self.ledger.would_fit("host", incoming.nbytes):
+            return
+        on_host = [
+            c
+            for c in self.chunks.values()
+            if c.tier is Tier.HOST and c.kind in DYNAMIC_KINDS and c is not incoming and c.movable()
+        ]
+        if self.tracer.replaying:
+            on_host.sort(key=lambda c: self.tracer.next_device_use(c.id))
+        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+        used = sum(c.nbytes for c in self._dynamic_on_device())
+        for chunk in on_host:
+            if self.ledger.would_fit("host", incoming.nbytes):
+                return
+            if used + chunk.nbytes <= budget and self.ledger.would_fit("device", chunk.nbytes):
+                self._move(chunk, Tier.DEVICE, "host pressure")
+                used += chunk.nbytes
 
     def _dynamic_on_device(self) -> list[Chunk]:
         return [

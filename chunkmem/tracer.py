@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import bisect
 import enum
+from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from chunkmem.chunk import Tier
 
 _TRACES_PER_SIGNATURE = 4
+_SIGNATURES = 64  # least recently used signatures beyond this are forgotten
 
 
 class Phase(enum.Enum):
@@ -76,15 +78,20 @@ class Trace:
         return uses[0] + len(self.moments) - after
 
     def peak_nonmodel(self, start: int, stop: int) -> int:
-        window = self.nonmodel_peak[max(0, start) : stop]
-        return max(window) if window else 0
+        """Highest non-model peak over moments ``start..stop-1``, wrapping into the next cycle."""
+        count = len(self.nonmodel_peak)
+        if not count:
+            return 0
+        return max(
+            self.nonmodel_peak[i % count] for i in range(max(0, start), max(start + 1, stop))
+        )
 
 
 class Tracer:
     """Records and replays traces per input signature."""
 
     def __init__(self) -> None:
-        self._traces: dict[Hashable, list[Trace]] = {}
+        self._traces: OrderedDict[Hashable, list[Trace]] = OrderedDict()
         self.signature: Hashable | None = None
         self.replay: Trace | None = None
         self.observed = Trace()
@@ -103,6 +110,8 @@ class Tracer:
     def begin_cycle(self, signature: Hashable) -> None:
         self.signature = signature
         known = self._traces.get(signature)
+        if known:
+            self._traces.move_to_end(signature)
         self.replay = known[-1] if known else None
         self.observed = Trace()
         self.index = -1
@@ -154,6 +163,8 @@ class Tracer:
             known = self._traces.setdefault(self.signature, [])
             known.append(observed)
             del known[:-_TRACES_PER_SIGNATURE]
+            while len(self._traces) > _SIGNATURES:
+                self._traces.popitem(last=False)
             self.cycles_recorded += 1
         self.signature = None
         self.replay = None
@@ -180,11 +191,12 @@ class Tracer:
         return self.replay.next_device_use(chunk_id, self.index)
 
     def upcoming(self, lookahead: int) -> list[tuple[int, dict[int, Tier]]]:
-        """The next ``lookahead`` moments' accesses from the replayed trace."""
-        if self.replay is None:
+        """The next ``lookahead`` moments' accesses, wrapping into the next cycle."""
+        if self.replay is None or not len(self.replay):
             return []
-        stop = min(len(self.replay), self.index + 1 + lookahead)
-        return [(i, self.replay.accesses[i]) for i in range(self.index + 1, stop)]
+        count = len(self.replay)
+        stop = self.index + 1 + min(lookahead, count - 1)
+        return [(i, self.replay.accesses[i % count]) for i in range(self.index + 1, stop)]
 
     def traced_nonmodel_peak(self, start: int, stop: int) -> int:
         assert self.replay is not None

@@ -55,3 +55,14 @@ def test_signatures_have_separate_traces_and_peaks_only_grow() -> None:
     run_cycle(tracer, ("train", 16), "ab", nonmodel=40)
     assert tracer.traces_for(("train", 16))[0].nonmodel_peak == [100, 110]
     assert tracer.traces_for(("train", 8))[0].nonmodel_peak == [50, 60]
+
+
+def test_old_signatures_are_forgotten_beyond_the_limit() -> None:
+    from chunkmem import tracer as tracer_module
+
+    tracer = Tracer()
+    for length in range(tracer_module._SIGNATURES + 5):
+        run_cycle(tracer, ("eval", length), "ab")
+    run_cycle(tracer, ("eval", 5), "ab")  # recently used: kept
+    assert len(tracer._traces) == tracer_module._SIGNATURES
+    assert not tracer.traces_for(("eval", 0)) and tracer.traces_for(("eval", 5))
