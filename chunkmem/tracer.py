@@ -63,19 +63,22 @@ class Trace:
                     uses.setdefault(chunk_id, []).append(index)
         self._device_uses = uses
 
-    def next_device_use(self, chunk_id: int, after: int) -> float:
-        """Moments from ``after`` until the chunk is next needed on the device.
+    def next_device_use(self, chunk_id: int, now: int) -> float:
+        """Moments from ``now`` until the chunk is needed on the device (0: this moment).
 
-        The trace repeats, so a chunk not needed again this cycle is next needed at its first
-        use in the next one. A chunk the trace never needs on the device returns infinity.
+        A use at the current moment counts: the chunks of one moment are accessed in several
+        calls (parameters, then gradients), and the later ones must not be evicted by the
+        earlier. The trace repeats, so a chunk not needed again this cycle is next needed at
+        its first use in the next one; one the trace never needs on the device is infinitely
+        far.
         """
         uses = self._device_uses.get(chunk_id)
         if not uses:
             return float("inf")
-        position = bisect.bisect_right(uses, after)
+        position = bisect.bisect_left(uses, now)
         if position < len(uses):
-            return uses[position] - after
-        return uses[0] + len(self.moments) - after
+            return uses[position] - now
+        return uses[0] + len(self.moments) - now
 
     def peak_nonmodel(self, start: int, stop: int) -> int:
         """Highest non-model peak over moments ``start..stop-1``, wrapping into the next cycle."""

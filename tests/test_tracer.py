@@ -34,6 +34,7 @@ def test_next_device_use_wraps_to_the_next_cycle() -> None:
     run_cycle(tracer, "s", "abcd")
     trace = tracer.traces_for("s")[0]
     assert trace.next_device_use(2, 0) == 2
+    assert trace.next_device_use(2, 2) == 0  # needed at this very moment
     assert trace.next_device_use(0, 1) == 3  # next cycle's moment 0: 4 - 1
     assert trace.next_device_use(99, 0) == float("inf")
 
