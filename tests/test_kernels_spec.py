@@ -64,17 +64,18 @@ def _check_all_ops(x: torch.Tensor, bits: int, symmetric: bool, group_size: int 
             f"dequantize to {out_dtype}",
         )
     other = kernels.quantize(_random(x.numel(), x.dtype, 7), **kw, backend="cpu")
-    inputs = [q, other, q]
-    assert_same_quantized(
-        kernels.dequant_reduce_requant(inputs, backend="cpu"),
-        reference.dequant_reduce_requant(inputs),
-        "dequant_reduce_requant",
-    )
-    assert_same_bits(
-        kernels.dequant_reduce(inputs, out_dtype=x.dtype, backend="cpu"),
-        reference.dequant_reduce(inputs, out_dtype=x.dtype),
-        "dequant_reduce",
-    )
+    # 3 inputs take the CPU library's fixed-count loop (int8), 5 its general one.
+    for inputs in ([q, other, q], [other, q, q, other, q]):
+        assert_same_quantized(
+            kernels.dequant_reduce_requant(inputs, backend="cpu"),
+            reference.dequant_reduce_requant(inputs),
+            f"dequant_reduce_requant of {len(inputs)}",
+        )
+        assert_same_bits(
+            kernels.dequant_reduce(inputs, out_dtype=x.dtype, backend="cpu"),
+            reference.dequant_reduce(inputs, out_dtype=x.dtype),
+            f"dequant_reduce of {len(inputs)}",
+        )
     for nodes, per_node in [(2, 2), (3, 1), (1, 4)]:
         sw = dict(nodes=nodes, devices_per_node=per_node, **kw)
         assert_same_quantized(

@@ -139,6 +139,25 @@ struct Inputs {
   int count;
 };
 
+// reduce_group for int8 and a count known at compile time: one pass over the elements with
+// the sum in registers (same additions in the same order as the general loop below).
+template <class Fmt, class Out, int COUNT>
+void reduce_group_fixed(const Inputs& in, int64_t g, int64_t n, int64_t at, typename Out::Raw* out) {
+  const uint8_t* q[COUNT];
+  float scale[COUNT], offset[COUNT];
+  for (int k = 0; k < COUNT; ++k) {
+    q[k] = in.q[k] + at;
+    scale[k] = in.scales[k][g];
+    offset[k] = Fmt::kSymmetric ? 0.0f : in.offsets[k][g];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = level_value<Fmt>(q[0][i], scale[0], offset[0]);
+#pragma GCC unroll 8
+    for (int k = 1; k < COUNT; ++k) acc = acc + level_value<Fmt>(q[k][i], scale[k], offset[k]);
+    out[i] = Out::store(acc);
+  }
+}
+
 // out[0..n) = sum over inputs of group g's dequantized values, added in input order in fp32
 // (in `acc`, n floats of scratch) and stored as Out.
 template <class Fmt, class Out>
@@ -146,6 +165,16 @@ void reduce_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n, fl
                   typename Out::Raw* out) {
   const int64_t at = byte_of<Fmt::kBits>(g * group_size);
   const auto offset = [&](int k) { return Fmt::kSymmetric ? 0.0f : in.offsets[k][g]; };
+  if constexpr (Fmt::kBits == 8) {
+    switch (in.count) {
+      case 1: return reduce_group_fixed<Fmt, Out, 1>(in, g, n, at, out);
+      case 2: return reduce_group_fixed<Fmt, Out, 2>(in, g, n, at, out);
+      case 3: return reduce_group_fixed<Fmt, Out, 3>(in, g, n, at, out);
+      case 4: return reduce_group_fixed<Fmt, Out, 4>(in, g, n, at, out);
+      case 8: return reduce_group_fixed<Fmt, Out, 8>(in, g, n, at, out);
+      default: break;
+    }
+  }
   const int last = in.count - 1;
   if (last == 0) {
     dequantize_group<Fmt, Out, false>(in.q[0] + at, n, in.scales[0][g], offset(0), nullptr, out);
