@@ -20,7 +20,8 @@ import torch
 
 from kernels import reference
 from kernels._build import BuildError
-from kernels._native import NativeKernels
+from kernels._cuda import load_cuda
+from kernels._native import NativeKernels, load_cpu
 from kernels.quantized import (
     QuantizedTensor,
     check_float_tensor,
@@ -52,14 +53,7 @@ def _library(kind: str) -> NativeKernels:
     with _lock:
         if kind not in _libraries:
             try:
-                if kind == "cpu":
-                    from kernels._native import load_cpu
-
-                    _libraries[kind] = load_cpu()
-                else:
-                    from kernels._cuda import load_cuda
-
-                    _libraries[kind] = load_cuda()
+                _libraries[kind] = load_cpu() if kind == "cpu" else load_cuda()
             except BuildError as e:
                 _libraries[kind] = e
         lib = _libraries[kind]
