@@ -31,7 +31,7 @@ _STATUS = {1: "invalid argument", 2: "out of memory", 3: "CUDA error"}
 
 # [Note: CPU flags] -ffp-contract=off: no FMA contraction (a*b+c must round twice, like torch).
 # No -ffast-math: keeps denormals (no FTZ/DAZ), NaN semantics and operation order.
-# -fno-trapping-math only lets g++ if-convert (and so vectorise) the clamps; it changes no
+# -fno-trapping-math only lets g++ if-convert (and so vectorise) the selects in loops; it changes no
 # result. -march=native is why the CPU model is part of the cache key.
 CPU_FLAGS = [
     "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
