@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkmem-installed
 
-.PHONY: venv demo test test-slow bench lint clean
+.PHONY: venv demo test test-slow bench lint clean cuda-check
 
 venv: $(STAMP)
 
@@ -29,6 +29,18 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	for b in chunk_traffic overhead max_model; do $(PY) -m benchmarks.$$b || exit 1; done
+
+# Compile-check every CUDA source for Ampere and Hopper with the flags the loader uses
+# (kernels/_cuda.py). Needs no GPU; without nvcc it says so and passes.
+NVCC ?= nvcc
+CUDA_ARCHS := sm_80 sm_90
+cuda-check:
+	@if ! command -v $(NVCC) >/dev/null 2>&1; then echo "cuda-check: $(NVCC) not found, CUDA sources not checked"; exit 0; fi; \
+	for f in kernels/csrc/*.cu; do for a in $(CUDA_ARCHS); do \
+	  echo "nvcc -arch=$$a $$f"; \
+	  $(NVCC) -c -o /dev/null -arch=$$a --std=c++17 -O3 --fmad=false --ftz=false --prec-div=true \
+	    --prec-sqrt=true -Xcompiler -ffp-contract=off -Werror all-warnings $$f || exit 1; \
+	done; done
 
 lint: $(STAMP)
 	$(PY) -m ruff check chunkmem zero offload kernels tests benchmarks

@@ -1,0 +1,284 @@
+// CPU library of the chunkmem quantization kernels: a plain C ABI over raw pointers, loaded
+// with ctypes by kernels/_native.py. OpenMP runs groups in parallel; inner loops are written so
+// that g++ -O3 vectorises them (integer min/max statistics, no data-dependent branches).
+// Per-element math lives in quant_math.h; the spec is docs/kernels.md.
+#include <omp.h>
+
+#include <new>
+#include <vector>
+
+#include "quant_math.h"
+
+namespace {
+
+using cmq::byte_of;
+using cmq::ceil_div;
+using cmq::F32;
+using cmq::GroupParams;
+using cmq::GroupSpan;
+using cmq::GroupStats;
+using cmq::level_value;
+using cmq::valid_layout;
+using cmq::with_dtype;
+using cmq::with_format;
+
+// Below this many elements the kernels run on the calling thread: waking the OpenMP team
+// costs more than the work.
+constexpr int64_t kParallelMinNumel = 1 << 15;
+
+// Asks for the next group's input (the elements after this group's) while this group is being
+// encoded, so that memory traffic overlaps the arithmetic of the second pass.
+template <class T>
+void prefetch_next(const T* x, int64_t n) {
+  const char* next = reinterpret_cast<const char*>(x + n);
+  const int64_t nbytes = n * static_cast<int64_t>(sizeof(T));
+  for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(next + b);
+}
+
+template <class In>
+GroupStats stats_of(const typename In::Raw* x, int64_t n) {
+  // Three separate scalar accumulators keep the loop a plain integer max/min reduction,
+  // which g++ vectorises.
+  uint32_t abs_bits = 0;
+  int32_t min_key = INT32_MAX;
+  int32_t max_key = INT32_MIN;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = cmq::bits_of(In::load(x[i]));
+    const uint32_t a = u & 0x7FFFFFFFu;
+    const int32_t k = cmq::order_key(u);
+    abs_bits = a > abs_bits ? a : abs_bits;
+    min_key = k < min_key ? k : min_key;
+    max_key = k > max_key ? k : max_key;
+  }
+  return GroupStats{abs_bits, min_key, max_key};
+}
+
+// Quantizes one group: span.valid elements of x, then zeros up to span.length.
+template <class In, class Fmt>
+void quantize_group(const typename In::Raw* x, const GroupSpan& span, uint8_t* q, float* scale,
+                    float* offset) {
+  constexpr int kBits = Fmt::kBits;
+  constexpr bool kSym = Fmt::kSymmetric;
+  GroupStats stats = stats_of<In>(x, span.valid);
+  if (span.valid < span.length) cmq::add_to_stats(stats, 0.0f);
+  const GroupParams p = cmq::group_params<kSym>(stats, kBits);
+  *scale = p.scale;
+  if (!kSym) *offset = p.offset;
+  const int64_t nbytes = kBits == 8 ? span.length : (span.length + 1) / 2;
+  if (!p.finite) {
+    for (int64_t i = 0; i < nbytes; ++i) q[i] = 0;
+    return;
+  }
+  prefetch_next(x, span.length);
+  const uint8_t pad = cmq::encode_level<kBits>(cmq::quantize_value<kSym>(0.0f, p));
+  // Locals, not span.field: stores through uint8_t* may alias anything, which would make the
+  // trip count unknown to the vectoriser.
+  const int64_t valid = span.valid;
+  const int64_t length = span.length;
+  if (kBits == 8) {
+    for (int64_t i = 0; i < valid; ++i)
+      q[i] = cmq::encode_level<8>(cmq::quantize_value<kSym>(In::load(x[i]), p));
+    for (int64_t i = valid; i < length; ++i) q[i] = pad;
+    return;
+  }
+  const int64_t pairs = valid / 2;
+  for (int64_t k = 0; k < pairs; ++k) {
+    const int lo = cmq::quantize_value<kSym>(In::load(x[2 * k]), p);
+    const int hi = cmq::quantize_value<kSym>(In::load(x[2 * k + 1]), p);
+    q[k] = static_cast<uint8_t>(cmq::encode_level<4>(lo) | (cmq::encode_level<4>(hi) << 4));
+  }
+  for (int64_t e = 2 * pairs; e < length; e += 2) {
+    // The pairs past the last full pair of valid data: real, padded or absent elements.
+    const uint8_t lo = e < valid
+                           ? cmq::encode_level<4>(cmq::quantize_value<kSym>(In::load(x[e]), p))
+                           : pad;
+    const uint8_t hi = e + 1 < length ? pad : 0;
+    q[e / 2] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+}
+
+// Dequantizes `n` elements of one group: out[i] = Out::store(value_i), or with ADD
+// out[i] = Out::store(base[i] + value_i). out may alias base.
+template <class Fmt, class Out, bool ADD>
+void dequantize_group(const uint8_t* q, int64_t n, float scale, float offset, const float* base,
+                      typename Out::Raw* out) {
+  const auto put = [&](int64_t i, float v) { out[i] = Out::store(ADD ? base[i] + v : v); };
+  if (Fmt::kBits == 8) {
+    for (int64_t i = 0; i < n; ++i) put(i, level_value<Fmt>(q[i], scale, offset));
+    return;
+  }
+  const int64_t pairs = n / 2;
+  for (int64_t k = 0; k < pairs; ++k) {
+    const uint32_t byte = q[k];
+    put(2 * k, level_value<Fmt>(byte & 0xFu, scale, offset));
+    put(2 * k + 1, level_value<Fmt>(byte >> 4, scale, offset));
+  }
+  if (n % 2) put(n - 1, level_value<Fmt>(q[pairs] & 0xFu, scale, offset));
+}
+
+// Quantizes the groups named by span_of(g), g in [0, groups), in parallel.
+template <class In, class Fmt, class SpanOf>
+int quantize_groups(const void* x, int64_t groups, int64_t group_size, SpanOf span_of,
+                    uint8_t* q, float* scales, float* offsets) {
+  const auto* xr = static_cast<const typename In::Raw*>(x);
+  const bool parallel = groups * group_size >= kParallelMinNumel;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t g = 0; g < groups; ++g) {
+    const GroupSpan span = span_of(g);
+    quantize_group<In, Fmt>(xr + span.source, span, q + byte_of<Fmt::kBits>(g * group_size),
+                            scales + g, offsets ? offsets + g : nullptr);
+  }
+  return cmq::kOk;
+}
+
+// Inputs of the fused reductions: arrays of `count` pointers, one per quantized input.
+struct Inputs {
+  const uint8_t* const* q;
+  const float* const* scales;
+  const float* const* offsets;
+  int count;
+};
+
+// reduce_group for int8 and a count known at compile time: one pass over the elements with
+// the sum in registers (same additions in the same order as the general loop below).
+template <class Fmt, class Out, int COUNT>
+void reduce_group_fixed(const Inputs& in, int64_t g, int64_t n, int64_t at, typename Out::Raw* out) {
+  const uint8_t* q[COUNT];
+  float scale[COUNT], offset[COUNT];
+  for (int k = 0; k < COUNT; ++k) {
+    q[k] = in.q[k] + at;
+    scale[k] = in.scales[k][g];
+    offset[k] = Fmt::kSymmetric ? 0.0f : in.offsets[k][g];
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    float acc = level_value<Fmt>(q[0][i], scale[0], offset[0]);
+#pragma GCC unroll 8
+    for (int k = 1; k < COUNT; ++k) acc = acc + level_value<Fmt>(q[k][i], scale[k], offset[k]);
+    out[i] = Out::store(acc);
+  }
+}
+
+// out[0..n) = sum over inputs of group g's dequantized values, added in input order in fp32
+// (in `acc`, n floats of scratch) and stored as Out.
+template <class Fmt, class Out>
+void reduce_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n, float* acc,
+                  typename Out::Raw* out) {
+  const int64_t at = byte_of<Fmt::kBits>(g * group_size);
+  const auto offset = [&](int k) { return Fmt::kSymmetric ? 0.0f : in.offsets[k][g]; };
+  if constexpr (Fmt::kBits == 8) {
+    switch (in.count) {
+      case 1: return reduce_group_fixed<Fmt, Out, 1>(in, g, n, at, out);
+      case 2: return reduce_group_fixed<Fmt, Out, 2>(in, g, n, at, out);
+      case 3: return reduce_group_fixed<Fmt, Out, 3>(in, g, n, at, out);
+      case 4: return reduce_group_fixed<Fmt, Out, 4>(in, g, n, at, out);
+      case 8: return reduce_group_fixed<Fmt, Out, 8>(in, g, n, at, out);
+      default: break;
+    }
+  }
+  const int last = in.count - 1;
+  if (last == 0) {
+    dequantize_group<Fmt, Out, false>(in.q[0] + at, n, in.scales[0][g], offset(0), nullptr, out);
+    return;
+  }
+  dequantize_group<Fmt, F32, false>(in.q[0] + at, n, in.scales[0][g], offset(0), nullptr, acc);
+  for (int k = 1; k < last; ++k)
+    dequantize_group<Fmt, F32, true>(in.q[k] + at, n, in.scales[k][g], offset(k), acc, acc);
+  dequantize_group<Fmt, Out, true>(in.q[last] + at, n, in.scales[last][g], offset(last), acc, out);
+}
+
+// Runs body(g, n, scratch) for every group in parallel; scratch holds group_size floats owned
+// by the calling thread.
+template <class Body>
+int for_groups_with_scratch(int64_t numel, int64_t group_size, Body body) {
+  const int64_t groups = ceil_div(numel, group_size);
+  const bool parallel = numel >= kParallelMinNumel;
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  const int64_t width = group_size < numel ? group_size : numel;
+  std::vector<float> scratch;
+  try {
+    scratch.resize(static_cast<size_t>(threads) * static_cast<size_t>(width));
+  } catch (const std::bad_alloc&) {
+    return cmq::kOutOfMemory;
+  }
+#pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t n = (g + 1) * group_size <= numel ? group_size : numel - g * group_size;
+    body(g, n, scratch.data() + static_cast<size_t>(omp_get_thread_num()) * width);
+  }
+  return cmq::kOk;
+}
+
+}  // namespace
+
+extern "C" {
+
+int cmq_cpu_num_threads() { return omp_get_max_threads(); }
+
+int cmq_cpu_quantize(const void* x, int dtype, int64_t numel, int bits, int64_t group_size,
+                     int symmetric, uint8_t* q, float* scales, float* offsets) {
+  if (!valid_layout(numel, bits, group_size)) return cmq::kBadArgument;
+  return with_dtype(dtype, [&](auto in) {
+    return with_format(bits, symmetric, [&](auto fmt) {
+      const auto span_of = [=](int64_t g) { return cmq::plain_group(g, numel, group_size); };
+      return quantize_groups<decltype(in), decltype(fmt)>(x, ceil_div(numel, group_size),
+                                                          group_size, span_of, q, scales, offsets);
+    });
+  });
+}
+
+int cmq_cpu_swizzled_quantize(const void* x, int dtype, int64_t numel, int64_t nodes,
+                              int64_t devices_per_node, int64_t slice_numel, int bits,
+                              int64_t group_size, int symmetric, uint8_t* q, float* scales,
+                              float* offsets) {
+  if (!valid_layout(numel, bits, group_size) || nodes < 1 || devices_per_node < 1 ||
+      slice_numel < 0 || slice_numel % group_size != 0 ||
+      slice_numel * nodes * devices_per_node < numel)
+    return cmq::kBadArgument;
+  return with_dtype(dtype, [&](auto in) {
+    return with_format(bits, symmetric, [&](auto fmt) {
+      const auto span_of = [=](int64_t g) {
+        return cmq::swizzled_group(g, numel, group_size, slice_numel, nodes, devices_per_node);
+      };
+      const int64_t groups = nodes * devices_per_node * (slice_numel / group_size);
+      return quantize_groups<decltype(in), decltype(fmt)>(x, groups, group_size, span_of, q,
+                                                          scales, offsets);
+    });
+  });
+}
+
+// Dequantizes `count` inputs of one layout and sums them in fp32, in input order; dequantize
+// is the case count == 1.
+int cmq_cpu_dequant_reduce(const uint8_t* const* q, const float* const* scales,
+                           const float* const* offsets, int count, int64_t numel, int bits,
+                           int64_t group_size, int symmetric, void* out, int out_dtype) {
+  if (!valid_layout(numel, bits, group_size) || count < 1) return cmq::kBadArgument;
+  const Inputs in{q, scales, offsets, count};
+  return with_dtype(out_dtype, [&](auto o) {
+    using Out = decltype(o);
+    return with_format(bits, symmetric, [&](auto fmt) {
+      using Fmt = decltype(fmt);
+      auto* dst = static_cast<typename Out::Raw*>(out);
+      return for_groups_with_scratch(numel, group_size, [&](int64_t g, int64_t n, float* acc) {
+        reduce_group<Fmt, Out>(in, g, group_size, n, acc, dst + g * group_size);
+      });
+    });
+  });
+}
+
+int cmq_cpu_dequant_reduce_requant(const uint8_t* const* q, const float* const* scales,
+                                   const float* const* offsets, int count, int64_t numel, int bits,
+                                   int64_t group_size, int symmetric, uint8_t* q_out,
+                                   float* scales_out, float* offsets_out) {
+  if (!valid_layout(numel, bits, group_size) || count < 1) return cmq::kBadArgument;
+  const Inputs in{q, scales, offsets, count};
+  return with_format(bits, symmetric, [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    return for_groups_with_scratch(numel, group_size, [&](int64_t g, int64_t n, float* acc) {
+      reduce_group<Fmt, F32>(in, g, group_size, n, acc, acc);
+      quantize_group<F32, Fmt>(acc, GroupSpan{0, n, n}, q_out + byte_of<Fmt::kBits>(g * group_size),
+                               scales_out + g, offsets_out ? offsets_out + g : nullptr);
+    });
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,277 @@
+// CUDA library of the chunkmem quantization kernels: launchers with a plain C ABI over raw
+// device pointers and a stream, loaded with ctypes by kernels/_cuda.py. No torch headers, so it
+// builds with nvcc alone. One kernel per operation: block-per-group (grid-stride over groups)
+// where a group needs its statistics, grid-stride over elements where it does not. Per-element
+// math lives in quant_math.h; the spec is docs/kernels.md.
+//
+// Build flags that keep results bit-identical to the CPU library and the reference:
+// --fmad=false --ftz=false --prec-div=true --prec-sqrt=true.
+#include <cuda_runtime.h>
+#include <stdio.h>
+
+#include "quant_math.h"
+
+namespace {
+
+using cmq::byte_of;
+using cmq::ceil_div;
+using cmq::F32;
+using cmq::field_of;
+using cmq::GroupParams;
+using cmq::GroupSpan;
+using cmq::GroupStats;
+using cmq::level_value;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+// Grid-stride loops cover any size; more blocks than this adds nothing but launch cost.
+constexpr int64_t kMaxBlocks = 1 << 16;
+// Pointers of every input of a reduction travel in the kernel's parameters (3 KiB of the
+// 4 KiB limit), so no device allocation or copy is needed per call.
+constexpr int kMaxInputs = 128;
+
+struct InputPtrs {
+  const uint8_t* q[kMaxInputs];
+  const float* scales[kMaxInputs];
+  const float* offsets[kMaxInputs];
+  int count;
+};
+
+thread_local char g_last_error[512] = "";
+
+int fail(int status, const char* what, const char* detail) {
+  snprintf(g_last_error, sizeof g_last_error, "%s: %s", what, detail);
+  return status;
+}
+
+int launched(const char* what) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return fail(cmq::kCudaError, what, cudaGetErrorString(e));
+  g_last_error[0] = '\0';
+  return cmq::kOk;
+}
+
+int blocks_for(int64_t wanted) { return static_cast<int>(wanted < kMaxBlocks ? wanted : kMaxBlocks); }
+
+__device__ GroupStats shuffle_merge(GroupStats s, int lane_mask) {
+  GroupStats o;
+  o.abs_bits = __shfl_xor_sync(0xFFFFFFFFu, s.abs_bits, lane_mask);
+  o.min_key = __shfl_xor_sync(0xFFFFFFFFu, s.min_key, lane_mask);
+  o.max_key = __shfl_xor_sync(0xFFFFFFFFu, s.max_key, lane_mask);
+  return cmq::merge_stats(s, o);
+}
+
+// The block's combined statistics, returned to every thread. Integer min/max: the result does
+// not depend on the combination order.
+__device__ GroupStats block_stats(GroupStats s) {
+  __shared__ GroupStats per_warp[kWarps];
+  for (int m = 16; m > 0; m /= 2) s = shuffle_merge(s, m);
+  const int warp = threadIdx.x / 32;
+  if (threadIdx.x % 32 == 0) per_warp[warp] = s;
+  __syncthreads();
+  GroupStats all = cmq::empty_stats();
+  for (int w = 0; w < kWarps; ++w) all = cmq::merge_stats(all, per_warp[w]);
+  __syncthreads();  // per_warp is rewritten by the next group
+  return all;
+}
+
+struct PlainSpans {
+  int64_t numel, group_size;
+  __device__ GroupSpan operator()(int64_t g) const { return cmq::plain_group(g, numel, group_size); }
+};
+
+struct SwizzledSpans {
+  int64_t numel, group_size, slice_numel, nodes, devices_per_node;
+  __device__ GroupSpan operator()(int64_t g) const {
+    return cmq::swizzled_group(g, numel, group_size, slice_numel, nodes, devices_per_node);
+  }
+};
+
+// Element e of a group: the input value, a padding zero, or (past length) absent.
+template <class In>
+__device__ float span_value(const typename In::Raw* x, const GroupSpan& span, int64_t e) {
+  return e < span.valid ? In::load(x[span.source + e]) : 0.0f;
+}
+
+// Writes the levels of one group given every element's value through value_at(e).
+template <class Fmt, class ValueAt>
+__device__ void encode_group(const GroupParams& p, int64_t length, ValueAt value_at, uint8_t* out) {
+  constexpr bool kSym = Fmt::kSymmetric;
+  const auto level = [&](int64_t e) {
+    return p.finite ? cmq::encode_level<Fmt::kBits>(cmq::quantize_value<kSym>(value_at(e), p)) : 0;
+  };
+  if constexpr (Fmt::kBits == 8) {
+    for (int64_t e = threadIdx.x; e < length; e += blockDim.x) out[e] = level(e);
+  } else {
+    for (int64_t b = threadIdx.x; b < (length + 1) / 2; b += blockDim.x) {
+      const uint8_t hi = 2 * b + 1 < length ? level(2 * b + 1) : 0;
+      out[b] = static_cast<uint8_t>(level(2 * b) | (hi << 4));
+    }
+  }
+}
+
+template <class Fmt>
+__device__ void store_params(const GroupParams& p, int64_t g, float* scales, float* offsets) {
+  if (threadIdx.x != 0) return;
+  scales[g] = p.scale;
+  if (!Fmt::kSymmetric) offsets[g] = p.offset;
+}
+
+template <class In, class Fmt, class Spans>
+__global__ void quantize_kernel(const typename In::Raw* x, int64_t groups, int64_t group_size,
+                                Spans spans, uint8_t* q, float* scales, float* offsets) {
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const GroupSpan span = spans(g);
+    GroupStats s = cmq::empty_stats();
+    for (int64_t e = threadIdx.x; e < span.length; e += blockDim.x)
+      cmq::add_to_stats(s, span_value<In>(x, span, e));
+    const GroupParams p = cmq::group_params<Fmt::kSymmetric>(block_stats(s), Fmt::kBits);
+    store_params<Fmt>(p, g, scales, offsets);
+    encode_group<Fmt>(p, span.length, [&](int64_t e) { return span_value<In>(x, span, e); },
+                      q + byte_of<Fmt::kBits>(g * group_size));
+  }
+}
+
+// Sum over inputs of element e (in group g), added in input order in fp32.
+template <class Fmt>
+__device__ float reduced_value(const InputPtrs& in, int64_t g, int64_t e) {
+  float acc = 0.0f;
+  for (int k = 0; k < in.count; ++k) {
+    const float offset = Fmt::kSymmetric ? 0.0f : in.offsets[k][g];
+    const float v = level_value<Fmt>(field_of<Fmt::kBits>(in.q[k], e), in.scales[k][g], offset);
+    acc = k == 0 ? v : acc + v;
+  }
+  return acc;
+}
+
+template <class Fmt, class Out>
+__global__ void dequant_reduce_kernel(InputPtrs in, int64_t numel, int64_t group_size,
+                                      typename Out::Raw* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < numel; e += stride)
+    out[e] = Out::store(reduced_value<Fmt>(in, e / group_size, e));
+}
+
+// One block per group: the sums are computed once for the statistics and again (identically)
+// for encoding, which costs a second read of the inputs but no scratch memory.
+template <class Fmt>
+__global__ void dequant_reduce_requant_kernel(InputPtrs in, int64_t numel, int64_t group_size,
+                                              uint8_t* q, float* scales, float* offsets) {
+  const int64_t groups = ceil_div(numel, group_size);
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const GroupSpan span = cmq::plain_group(g, numel, group_size);
+    const auto value_at = [&](int64_t e) { return reduced_value<Fmt>(in, g, span.source + e); };
+    GroupStats s = cmq::empty_stats();
+    for (int64_t e = threadIdx.x; e < span.length; e += blockDim.x) cmq::add_to_stats(s, value_at(e));
+    const GroupParams p = cmq::group_params<Fmt::kSymmetric>(block_stats(s), Fmt::kBits);
+    store_params<Fmt>(p, g, scales, offsets);
+    encode_group<Fmt>(p, span.length, value_at, q + byte_of<Fmt::kBits>(g * group_size));
+  }
+}
+
+template <class Spans>
+int launch_quantize(const char* what, const void* x, int dtype, int64_t groups, int64_t group_size,
+                    int bits, int symmetric, Spans spans, uint8_t* q, float* scales,
+                    float* offsets, cudaStream_t stream) {
+  if (groups == 0) return cmq::kOk;
+  return cmq::with_dtype(dtype, [&](auto in) {
+    using In = decltype(in);
+    return cmq::with_format(bits, symmetric, [&](auto fmt) {
+      quantize_kernel<In, decltype(fmt)><<<blocks_for(groups), kThreads, 0, stream>>>(
+          static_cast<const typename In::Raw*>(x), groups, group_size, spans, q, scales, offsets);
+      return launched(what);
+    });
+  });
+}
+
+int gather_inputs(const uint8_t* const* q, const float* const* scales, const float* const* offsets,
+                  int count, InputPtrs* in) {
+  if (count < 1 || count > kMaxInputs) {
+    char detail[96];
+    snprintf(detail, sizeof detail, "count=%d, must be in [1, %d]", count, kMaxInputs);
+    return fail(cmq::kBadArgument, "dequant_reduce", detail);
+  }
+  for (int k = 0; k < count; ++k) {
+    in->q[k] = q[k];
+    in->scales[k] = scales[k];
+    in->offsets[k] = offsets[k];
+  }
+  in->count = count;
+  return cmq::kOk;
+}
+
+}  // namespace
+
+extern "C" {
+
+int cmq_cuda_runtime_version() { return CUDART_VERSION; }
+
+const char* cmq_cuda_last_error() { return g_last_error; }
+
+// kOk when this library holds code for the current device, else kCudaError with the reason.
+int cmq_cuda_probe() {
+  cudaFuncAttributes attributes;
+  const cudaError_t e = cudaFuncGetAttributes(
+      &attributes, dequant_reduce_kernel<cmq::Format<8, true>, F32>);
+  if (e != cudaSuccess) return fail(cmq::kCudaError, "probe", cudaGetErrorString(e));
+  return cmq::kOk;
+}
+
+int cmq_cuda_quantize(const void* x, int dtype, int64_t numel, int bits, int64_t group_size,
+                      int symmetric, uint8_t* q, float* scales, float* offsets, void* stream) {
+  if (!cmq::valid_layout(numel, bits, group_size)) return fail(cmq::kBadArgument, "quantize", "layout");
+  return launch_quantize("quantize", x, dtype, ceil_div(numel, group_size), group_size, bits,
+                         symmetric, PlainSpans{numel, group_size}, q, scales, offsets,
+                         static_cast<cudaStream_t>(stream));
+}
+
+int cmq_cuda_swizzled_quantize(const void* x, int dtype, int64_t numel, int64_t nodes,
+                               int64_t devices_per_node, int64_t slice_numel, int bits,
+                               int64_t group_size, int symmetric, uint8_t* q, float* scales,
+                               float* offsets, void* stream) {
+  if (!cmq::valid_layout(numel, bits, group_size) || nodes < 1 || devices_per_node < 1 ||
+      slice_numel < 0 || slice_numel % group_size != 0 ||
+      slice_numel * nodes * devices_per_node < numel)
+    return fail(cmq::kBadArgument, "swizzled_quantize", "layout");
+  const int64_t groups = nodes * devices_per_node * (slice_numel / group_size);
+  return launch_quantize("swizzled_quantize", x, dtype, groups, group_size, bits, symmetric,
+                         SwizzledSpans{numel, group_size, slice_numel, nodes, devices_per_node}, q,
+                         scales, offsets, static_cast<cudaStream_t>(stream));
+}
+
+int cmq_cuda_dequant_reduce(const uint8_t* const* q, const float* const* scales,
+                            const float* const* offsets, int count, int64_t numel, int bits,
+                            int64_t group_size, int symmetric, void* out, int out_dtype,
+                            void* stream) {
+  if (!cmq::valid_layout(numel, bits, group_size)) return fail(cmq::kBadArgument, "dequant_reduce", "layout");
+  InputPtrs in;
+  const int status = gather_inputs(q, scales, offsets, count, &in);
+  if (status != cmq::kOk || numel == 0) return status;
+  return cmq::with_dtype(out_dtype, [&](auto o) {
+    using Out = decltype(o);
+    return cmq::with_format(bits, symmetric, [&](auto fmt) {
+      dequant_reduce_kernel<decltype(fmt), Out>
+          <<<blocks_for(ceil_div(numel, kThreads)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+              in, numel, group_size, static_cast<typename Out::Raw*>(out));
+      return launched("dequant_reduce");
+    });
+  });
+}
+
+int cmq_cuda_dequant_reduce_requant(const uint8_t* const* q, const float* const* scales,
+                                    const float* const* offsets, int count, int64_t numel,
+                                    int bits, int64_t group_size, int symmetric, uint8_t* q_out,
+                                    float* scales_out, float* offsets_out, void* stream) {
+  if (!cmq::valid_layout(numel, bits, group_size)) return fail(cmq::kBadArgument, "dequant_reduce_requant", "layout");
+  InputPtrs in;
+  const int status = gather_inputs(q, scales, offsets, count, &in);
+  if (status != cmq::kOk || numel == 0) return status;
+  return cmq::with_format(bits, symmetric, [&](auto fmt) {
+    dequant_reduce_requant_kernel<decltype(fmt)>
+        <<<blocks_for(ceil_div(numel, group_size)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+            in, numel, group_size, q_out, scales_out, offsets_out);
+    return launched("dequant_reduce_requant");
+  });
+}
+
+}  // extern "C"
