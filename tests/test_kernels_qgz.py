@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from kernels_helpers import U, assert_same_bits, per_element
 
 import kernels
 from kernels import QuantizedTensor, reference, slice_numel
+from tests.kernels_helpers import U, assert_same_bits, per_element
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE

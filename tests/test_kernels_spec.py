@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernels_helpers import (
+
+import kernels
+from kernels import QuantizedTensor, reference
+from tests.kernels_helpers import (
     assert_same_bits,
     assert_same_quantized,
     roundtrip_bound,
 )
-
-import kernels
-from kernels import QuantizedTensor, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 FORMATS = [(8, True), (8, False), (4, True), (4, False)]
