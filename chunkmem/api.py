@@ -79,7 +79,8 @@ def initialize(
     manager.register(named)
     _move_buffers(model, device.torch_device)
     hooks = ModuleHooks(manager)
-    hooks.attach(model)
+    unit = config.placement.unit_elements
+    hooks.attach(model, choice.size if unit == "chunk" else unit)
     grad_handles = [p.register_post_accumulate_grad_hook(manager.store_grad) for p in trainable]
     activations = ActivationCounter(device.meter, manager)
     adam = ChunkAdam(manager, param_groups, group_of, decoupled)
@@ -88,17 +89,17 @@ def initialize(
 
 def _param_groups(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: Config
-) -> tuple[list[dict[str, Any]], dict[torch.nn.Parameter, int], bool]:
+) -> tuple[list[dict[str, Any]], dict[int, int], bool]:
     model_params = {p: n for n, p in model.named_parameters()}
     if optimizer is None:
         opt = config.optimizer
         groups = [
             {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
         ]
-        group_of = {p: 0 for p in model_params if p.requires_grad}
+        group_of = {id(p): 0 for p in model_params if p.requires_grad}
         return groups, group_of, opt.type == "adamw"
     groups, params_per_group, decoupled = groups_from_torch_optimizer(optimizer)
-    group_of: dict[torch.nn.Parameter, int] = {}
+    group_of: dict[int, int] = {}
     for index, params in enumerate(params_per_group):
         for param in params:
             if param not in model_params:
@@ -107,9 +108,9 @@ def _param_groups(
                     f"that is not a parameter of the model; build the optimizer from "
                     f"model.parameters()"
                 )
-            group_of[param] = index
+            group_of[id(param)] = index
     for param, name in model_params.items():
-        if param.requires_grad and param not in group_of:
+        if param.requires_grad and id(param) not in group_of:
             raise ConfigError(
                 f"parameter {name!r} requires grad but is in no optimizer param group; add it to "
                 f"the optimizer or set requires_grad=False"

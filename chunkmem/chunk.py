@@ -7,15 +7,15 @@ slot ``i`` of every chunk in the group belongs to the same parameter.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import torch
 
+from chunkmem._enum import FastHashEnum
 from chunkmem.states import MOVABLE_STATES, TensorState, check_transition
 
 
-class ChunkKind(enum.Enum):
+class ChunkKind(FastHashEnum):
     """What a chunk holds; the ledger accounts bytes per kind."""
 
     PARAM = "param"  # compute copy of parameters (fp32, bf16 or fp16)
@@ -28,7 +28,7 @@ class ChunkKind(enum.Enum):
 OPTIMIZER_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 
 
-class Tier(enum.Enum):
+class Tier(FastHashEnum):
     """Where a chunk's payload lives."""
 
     DEVICE = "device"
@@ -49,6 +49,8 @@ class TensorSlot:
     grad_in_param_slot: bool = False  # the 16-bit slot holds this iteration's gradient
     needs_grad_chunk: bool = False  # learned: the slot cannot be reused for this parameter
     grad_contributions: int = 0  # gradient contributions stored since the last step
+    bound: bool = False  # ``param.data`` is its view in the device chunk
+    layout: ChunkLayout | None = field(default=None, repr=False)
 
     def set_state(self, new: TensorState) -> None:
         check_transition(self.name, self.state, new)
@@ -68,6 +70,7 @@ class ChunkLayout:
     trainable: bool
     slots: list[TensorSlot] = field(default_factory=list)
     used: int = 0
+    chunks: dict[ChunkKind, Chunk] = field(default_factory=dict, repr=False)  # the group
 
     def fits(self, numel: int) -> bool:
         return self.used + numel <= self.capacity
@@ -79,7 +82,7 @@ class ChunkLayout:
                 f"parameter {name!r} ({numel} elements) does not fit in chunk layout "
                 f"{self.index} ({self.capacity - self.used} of {self.capacity} elements free)"
             )
-        slot = TensorSlot(name, param, self.used, numel, param.shape)
+        slot = TensorSlot(name, param, self.used, numel, param.shape, layout=self)
         self.slots.append(slot)
         self.used += numel
         return slot
@@ -98,13 +101,25 @@ class Chunk:
         self.kind = kind
         self.dtype = dtype
         self.tier: Tier | None = None  # None: no payload allocated
-        self.payload: torch.Tensor | None = None
+        self._payload: torch.Tensor | None = None
+        self._views: dict[int, torch.Tensor] = {}
+        self._all_views: list[torch.Tensor] | None = None
         self.pins = 0  # users outside the tensor-state machine (optimizer, gradient writes)
         self.pending_event: object | None = None  # an async copy the payload waits for
 
     def __repr__(self) -> str:
         tier = self.tier.value if self.tier else "unallocated"
         return f"Chunk(id={self.id}, {self.kind.value}, layout={self.layout.index}, {tier})"
+
+    @property
+    def payload(self) -> torch.Tensor | None:
+        return self._payload
+
+    @payload.setter
+    def payload(self, value: torch.Tensor | None) -> None:
+        self._payload = value
+        self._views = {}
+        self._all_views = None
 
     @property
     def nbytes(self) -> int:
@@ -115,9 +130,22 @@ class Chunk:
         return self.layout.capacity
 
     def view(self, slot: TensorSlot) -> torch.Tensor:
-        if self.payload is None:
-            raise RuntimeError(f"{self!r} has no payload; it must be fetched before use")
-        return self.payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        """The slot's tensor in this chunk (cached until the payload changes)."""
+        view = self._views.get(slot.offset)
+        if view is None:
+            if self._payload is None:
+                raise RuntimeError(f"{self!r} has no payload; it must be fetched before use")
+            view = self._payload[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            self._views[slot.offset] = view
+        return view
+
+    def views(self, slots: list[TensorSlot]) -> list[torch.Tensor]:
+        """Views of ``slots``; the list for all of the layout's slots is cached."""
+        if len(slots) != len(self.layout.slots):
+            return [self.view(slot) for slot in slots]
+        if self._all_views is None:
+            self._all_views = [self.view(slot) for slot in self.layout.slots]
+        return self._all_views
 
     def used_view(self) -> torch.Tensor:
         """The filled prefix, without padding."""

@@ -134,6 +134,12 @@ class PlacementConfig(_Section):
         description="Head-room added to the traced non-model peak when budgeting chunks; "
         "raise it on CUDA where allocator fragmentation adds to the traced bytes.",
     )
+    unit_elements: int | Literal["chunk"] = Field(
+        "chunk",
+        description="Largest number of parameter elements whose modules are hooked as one "
+        "unit (accessed together, one moment). chunk: the chunk size, so a transformer block "
+        "is typically one unit; 1 hooks every module that owns parameters.",
+    )
     optimizer_states: Literal["auto", "device", "host"] = Field(
         "auto",
         description="Where fp32 masters and Adam states live and are updated. auto puts as many "
@@ -148,7 +154,10 @@ class ReportConfig(_Section):
         ("json", "html", "snapshot"), strict=False
     )
     max_move_events: int = Field(
-        200_000, ge=0, description="Chunk moves kept for the report; older ones are counted only."
+        200_000,
+        ge=0,
+        description="Chunk moves, allocations and moment samples kept for the report (the "
+        "first ones of the run); later ones are only counted.",
     )
 
 

@@ -258,7 +258,7 @@ class Engine:
         state = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
             if isinstance(value, torch.nn.Parameter) and self.manager.is_managed(value):
-                slot = self.manager.slots.get(value)
+                slot = self.manager.slot_of(value)
                 state[key] = (
                     self.manager.values(slot) if slot else value.detach().to("cpu", copy=True)
                 )

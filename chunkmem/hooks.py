@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from chunkmem.devices import NonModelMeter
 from chunkmem.manager import ChunkManager, ParamToken
 from chunkmem.states import TensorState
-from chunkmem.tracer import Phase
+from chunkmem.tracer import Moment, Phase
 
 
 class _Internal:
@@ -122,7 +122,7 @@ class _Call:
     """One call of a module: its backward hooks fire at most once each."""
 
     module: torch.nn.Module
-    label: str
+    moment: Moment  # its pre-backward moment
     params: list[torch.nn.Parameter]
     pre_backward_done: bool = False
     post_backward_done: bool = False
@@ -150,17 +150,22 @@ class ModuleHooks:
 
     manager: ChunkManager
     labels: dict[torch.nn.Module, str] = field(default_factory=dict)
+    moments: dict[torch.nn.Module, tuple[Moment, Moment]] = field(default_factory=dict)
     accesses: dict[torch.nn.Module, list[torch.nn.Parameter]] = field(default_factory=dict)
     stack: list[torch.nn.Module] = field(default_factory=list)
-    open_calls: list[_Call] = field(default_factory=list)
+    open_calls: dict[int, _Call] = field(default_factory=dict)
     _in_forward: dict[torch.nn.Module, list[_Call]] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
 
-    def attach(self, model: torch.nn.Module) -> None:
-        for name, module in model.named_modules(remove_duplicate=True):
-            self.labels[module] = name or "<root>"
-            own = list(dict.fromkeys(module.parameters(recurse=False)))
-            self.accesses[module] = [p for p in own if self.manager.is_managed(p)]
+    def attach(self, model: torch.nn.Module, max_unit_elements: int) -> None:
+        """Hook the model's units (see :func:`plan_units`) and its root."""
+        units = plan_units(model, max_unit_elements)
+        names = {module: name for name, module in model.named_modules(remove_duplicate=True)}
+        for module in [model, *(m for m in units if m is not model)]:
+            label = names[module] or "<root>"
+            self.labels[module] = label
+            self.moments[module] = (Moment(Phase.FORWARD, label), Moment(Phase.BACKWARD, label))
+            self.accesses[module] = [p for p in units.get(module, []) if self.manager.is_managed(p)]
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
             )
@@ -196,15 +201,20 @@ class ModuleHooks:
         params = self.accesses[module]
         if not params:
             return None
-        label = self.labels[module]
-        self.manager.enter_moment(Phase.FORWARD, label)
+        forward, backward = self.moments[module]
+        self.manager.enter_moment(forward)
         self.manager.access(params)
         self.manager.after_access()
         if not torch.is_grad_enabled():
             return None
-        call = _Call(module, label, params)
+        call = _Call(module, backward, params)
         self._in_forward.setdefault(module, []).append(call)
-        flat, spec = tree_flatten((args, kwargs))
+        return self._wrap_inputs(call, args, kwargs)
+
+    def _wrap_inputs(self, call: _Call, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Route the inputs that need gradients through the post-backward function."""
+        simple = not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args)
+        flat, spec = (list(args), None) if simple else tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
         ]
@@ -215,7 +225,7 @@ class ModuleHooks:
             wrapped = (wrapped,)
         for position, tensor in zip(positions, wrapped, strict=True):
             flat[position] = tensor
-        return spec.unflatten(flat)
+        return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)
 
     def _post_forward_inner(self, module: torch.nn.Module, output: Any) -> None:
         self.stack.pop()
@@ -232,7 +242,8 @@ class ModuleHooks:
             with internal:
                 self.pre_backward(call)
 
-        for tensor in _tensors(output):
+        outputs = (output,) if isinstance(output, torch.Tensor) else _tensors(output)
+        for tensor in outputs:
             if tensor.requires_grad:
                 tensor.register_hook(on_output_grad)
 
@@ -241,22 +252,51 @@ class ModuleHooks:
         if call.pre_backward_done:
             return
         call.pre_backward_done = True
-        self.manager.enter_moment(Phase.BACKWARD, call.label)
+        self.manager.enter_moment(call.moment)
         self.manager.access(call.params)
         self.manager.after_access()
-        self.open_calls.append(call)
+        self.open_calls[id(call)] = call
 
     def post_backward(self, call: _Call) -> None:
         if call.post_backward_done or not call.pre_backward_done:
             return
         call.post_backward_done = True
         self.manager.release(call.params, TensorState.HOLD_AFTER_BWD)
-        self.open_calls.remove(call)
+        del self.open_calls[id(call)]
 
     def finish_backward(self) -> None:
         """Close calls whose inputs needed no gradient (their post-backward never fires)."""
-        for call in list(self.open_calls):
+        for call in list(self.open_calls.values()):
             self.post_backward(call)
+
+
+def plan_units(
+    model: torch.nn.Module, max_elements: int
+) -> dict[torch.nn.Module, list[torch.nn.Parameter]]:
+    """Split the model into units: the largest subtrees with at most ``max_elements`` parameter
+    elements, plus, for a module too large to be one unit, its own direct parameters.
+
+    A unit's parameters are accessed together in its pre-forward and pre-backward, so one pair
+    of moments covers what would otherwise be a moment per leaf module (a transformer block is
+    typically one unit). Units no larger than a chunk keep one moment's chunks to about two.
+    """
+    units: dict[torch.nn.Module, list[torch.nn.Parameter]] = {}
+
+    def visit(module: torch.nn.Module) -> None:
+        subtree = list(dict.fromkeys(module.parameters()))
+        if not subtree:
+            return
+        if sum(p.numel() for p in subtree) <= max_elements:
+            units[module] = subtree
+            return
+        direct = list(dict.fromkeys(module.parameters(recurse=False)))
+        if direct:
+            units[module] = direct
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return units
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:
@@ -278,7 +318,7 @@ class UnhookedAccessMode(TorchFunctionMode):
             flat, _ = tree_flatten((args, kwargs))
             for value in flat:
                 if isinstance(value, torch.nn.Parameter) and self._manager.is_managed(value):
-                    slot = self._manager.slots.get(value)
+                    slot = self._manager.slot_of(value)
                     if slot is None or slot.state is not TensorState.COMPUTE:
                         with internal:
                             self._manager.materialize(value)

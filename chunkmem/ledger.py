@@ -17,7 +17,10 @@ WORKSPACE = "workspace"  # transient buffers the engine allocates (e.g. fp32 gra
 
 @dataclass
 class TierAccount:
-    """Bytes one tier holds, split by kind, plus non-model bytes (device only)."""
+    """Bytes one tier holds, split by kind, plus non-model bytes (device only).
+
+    Totals are kept as running sums: they are read at every moment and every saved tensor.
+    """
 
     name: str
     capacity: int | None
@@ -25,22 +28,31 @@ class TierAccount:
     nonmodel: int = 0
     peak: int = 0
     peak_model: int = 0
-
-    @property
-    def model_bytes(self) -> int:
-        return sum(v for k, v in self.by_kind.items() if k != WORKSPACE)
+    model_bytes: int = 0  # chunks of every kind, workspaces excluded
+    workspace_bytes: int = 0
 
     @property
     def used(self) -> int:
-        return sum(self.by_kind.values()) + self.nonmodel
+        return self.model_bytes + self.workspace_bytes + self.nonmodel
 
     @property
     def available(self) -> int | None:
         return None if self.capacity is None else self.capacity - self.used
 
+    def add(self, kind: str, nbytes: int) -> None:
+        self.by_kind[kind] += nbytes
+        if kind == WORKSPACE:
+            self.workspace_bytes += nbytes
+        else:
+            self.model_bytes += nbytes
+        self._update_peak()
+
     def _update_peak(self) -> None:
-        self.peak = max(self.peak, self.used)
-        self.peak_model = max(self.peak_model, self.model_bytes)
+        used = self.used
+        if used > self.peak:
+            self.peak = used
+        if self.model_bytes > self.peak_model:
+            self.peak_model = self.model_bytes
 
 
 @dataclass(frozen=True)
@@ -93,29 +105,21 @@ class Ledger:
         host_capacity: int | None,
         max_move_events: int = 200_000,
     ) -> None:
-        self.tiers = {
-            "device": TierAccount("device", device_capacity),
-            "host": TierAccount("host", host_capacity),
-        }
+        self.device = TierAccount("device", device_capacity)
+        self.host = TierAccount("host", host_capacity)
+        self.tiers = {"device": self.device, "host": self.host}
         self.max_move_events = max_move_events
         self.moves: list[MoveEvent] = []
         self.moves_dropped = 0
         self.allocations: list[AllocationEvent] = []
         self.allocations_dropped = 0
         self.moment_samples: list[MomentSample] = []
+        self.moment_samples_dropped = 0
         self.iteration = 0
         self.moment_label = "init"
         self.bytes_to_device: Counter[int] = Counter()  # by iteration
         self.bytes_to_host: Counter[int] = Counter()
         self._seq = 0
-
-    @property
-    def device(self) -> TierAccount:
-        return self.tiers["device"]
-
-    @property
-    def host(self) -> TierAccount:
-        return self.tiers["host"]
 
     def would_fit(self, tier: str, nbytes: int) -> bool:
         available = self.tiers[tier].available
@@ -132,8 +136,7 @@ class Ledger:
                 f"({self.describe(tier)}). Raise the {tier} capacity in the config, lower the "
                 f"batch size or sequence length, or use a smaller chunk size.",
             )
-        account.by_kind[kind] += nbytes
-        account._update_peak()
+        account.add(kind, nbytes)
         self._record_allocation(tier, "alloc", kind, nbytes, owner)
 
     def free(self, tier: str, kind: str, nbytes: int, owner: str) -> None:
@@ -143,7 +146,7 @@ class Ledger:
                 f"ledger underflow freeing {nbytes} bytes of {kind} on {tier} "
                 f"(holds {account.by_kind[kind]})"
             )
-        account.by_kind[kind] -= nbytes
+        account.add(kind, -nbytes)
         self._record_allocation(tier, "free", kind, nbytes, owner)
 
     def _record_allocation(
@@ -195,7 +198,11 @@ class Ledger:
             self.moves_dropped += 1
 
     def sample_moment(self, index: int, label: str) -> None:
+        """Remember the tiers at a moment (the first ``max_move_events`` are kept, then counted)."""
         self.moment_label = label
+        if len(self.moment_samples) >= self.max_move_events:
+            self.moment_samples_dropped += 1
+            return
         self.moment_samples.append(
             MomentSample(
                 self.iteration,

@@ -25,14 +25,14 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkmem.chunk import OPTIMIZER_KINDS, Chunk, ChunkKind, ChunkLayout, TensorSlot, Tier
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot, Tier
 from chunkmem.devices import ComputeDevice
 from chunkmem.errors import OutOfMemoryError
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.packing import Packer
 from chunkmem.placement import Placement, optimizer_state_device_groups, plan_moment
 from chunkmem.states import HOLD_STATES, TensorState
-from chunkmem.tracer import Moment, Phase, Tracer
+from chunkmem.tracer import Moment, Tracer
 
 DYNAMIC_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD)
 
@@ -75,12 +75,11 @@ class ChunkManager:
         self.grads_in_param_slot = grads_in_param_slot
         self.optimizer_states_mode = optimizer_states_mode
 
-        self.slots: dict[torch.nn.Parameter, TensorSlot] = {}
-        self.pending: dict[torch.nn.Parameter, str] = {}  # registered, not packed yet
+        # Keyed by id(param): a Parameter's __hash__ is a Python call, and these are hot.
+        self.slots: dict[int, TensorSlot] = {}
+        self.pending: dict[int, tuple[str, torch.nn.Parameter]] = {}  # registered, not packed
         self.layouts: list[ChunkLayout] = []
         self.chunks: dict[int, Chunk] = {}
-        self.group: dict[int, dict[ChunkKind, Chunk]] = {}  # layout index -> kind -> chunk
-        self.layout_of: dict[torch.nn.Parameter, ChunkLayout] = {}
         self._chunk_ids = itertools.count()
         self._layout_ids = itertools.count()
         self._packers = {
@@ -88,6 +87,10 @@ class ChunkManager:
             for trainable in (True, False)
         }
         self._device_storage: dict[int, Chunk] = {}  # data_ptr of device payload -> chunk
+        self._resident: dict[int, Chunk] = {}  # dynamic chunks on the device
+        self._resident_bytes = 0
+        self._static_bytes = 0  # optimizer-state chunks on the device
+        self._dynamic_with_payload = 0
         self._slot_offsets: dict[int, list[int]] = {}
         self._last_access: dict[int, int] = {}
         self._tick = 0
@@ -100,45 +103,47 @@ class ChunkManager:
     def register(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """Take charge of parameters (tied ones once, under their first name)."""
         for name, param in named_params:
-            if param in self.pending or param in self.slots:
+            if id(param) in self.pending or id(param) in self.slots:
                 continue
             if not param.dtype.is_floating_point:
                 raise TypeError(
                     f"parameter {name!r} has dtype {param.dtype}; chunkmem manages floating-"
                     f"point parameters only (register integer state as a buffer instead)"
                 )
-            self.pending[param] = name
+            self.pending[id(param)] = (name, param)
 
     @property
     def all_packed(self) -> bool:
         return not self.pending
 
     def name_of(self, param: torch.nn.Parameter) -> str:
-        slot = self.slots.get(param)
-        return slot.name if slot else self.pending[param]
+        slot = self.slots.get(id(param))
+        return slot.name if slot else self.pending[id(param)][0]
 
     def is_managed(self, param: torch.Tensor) -> bool:
-        return param in self.slots or param in self.pending
+        return id(param) in self.slots or id(param) in self.pending
+
+    def slot_of(self, param: torch.Tensor) -> TensorSlot | None:
+        """The slot of a packed parameter (None if it is not packed or not managed)."""
+        return self.slots.get(id(param))
 
     def pack_remaining(self, tier: Tier) -> None:
         """Pack parameters that no forward touched (in registration order)."""
-        for param in list(self.pending):
+        for _name, param in list(self.pending.values()):
             self._pack(param, tier)
 
     def _pack(self, param: torch.nn.Parameter, tier: Tier) -> TensorSlot:
-        name = self.pending.pop(param)
+        name, _param = self.pending.pop(id(param))
         original = param.detach()
         packer = self._packers[param.requires_grad]
         slot, layout, created = packer.place(name, param)
-        self.slots[param] = slot
-        self.layout_of[param] = layout
+        self.slots[id(param)] = slot
         if created:
             self.layouts.append(layout)
-            self.group[layout.index] = {}
             self._new_chunk(layout, ChunkKind.PARAM, self.compute_dtype, tier)
             if layout.trainable and self.keep_fp32_master:
                 self._new_chunk(layout, ChunkKind.MASTER, torch.float32, Tier.HOST)
-        chunks = self.group[layout.index]
+        chunks = layout.chunks
         param_chunk = chunks[ChunkKind.PARAM]
         self._ready(param_chunk)
         param_chunk.view(slot).copy_(original)
@@ -158,7 +163,7 @@ class ChunkManager:
     ) -> Chunk:
         chunk = Chunk(next(self._chunk_ids), layout, kind, dtype)
         self.chunks[chunk.id] = chunk
-        self.group[layout.index][kind] = chunk
+        layout.chunks[kind] = chunk
         if tier is Tier.DEVICE and kind in DYNAMIC_KINDS:
             self._make_room(chunk.nbytes, protect=set(), reason="allocate")
         self._allocate_payload(chunk, tier)
@@ -169,28 +174,45 @@ class ChunkManager:
         what = f"a {chunk.kind.value} chunk"
         self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
         if tier is Tier.DEVICE:
-            chunk.payload = self.device.empty(chunk.numel, chunk.dtype).zero_()
-            self._device_storage[chunk.payload.untyped_storage().data_ptr()] = chunk
+            payload = self.device.empty(chunk.numel, chunk.dtype).zero_()
         else:
-            chunk.payload = self.device.host_empty(chunk.numel, chunk.dtype).zero_()
-        chunk.tier = tier
+            payload = self.device.host_empty(chunk.numel, chunk.dtype).zero_()
+        self._set_payload(chunk, payload, tier)
 
     def _free_payload(self, chunk: Chunk) -> None:
         """Drop a chunk's payload: its content is dead (e.g. gradients after the step)."""
         if chunk.tier is None or chunk.payload is None:
             return
         self._ready(chunk)
+        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
+        self._set_payload(chunk, None, None)
+        self.tracer.on_free(chunk.id)
+
+    def _set_payload(self, chunk: Chunk, payload: torch.Tensor | None, tier: Tier | None) -> None:
+        """The one place a payload changes: keeps the device indexes in step."""
+        if chunk.kind in DYNAMIC_KINDS:
+            self._dynamic_with_payload += (payload is not None) - (chunk.payload is not None)
         if chunk.tier is Tier.DEVICE:
             del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
-        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
-        chunk.payload, chunk.tier = None, None
-        self.tracer.on_free(chunk.id)
+            if chunk.kind in DYNAMIC_KINDS:
+                del self._resident[chunk.id]
+                self._resident_bytes -= chunk.nbytes
+            else:
+                self._static_bytes -= chunk.nbytes
+        chunk.payload, chunk.tier = payload, tier
+        if tier is Tier.DEVICE:
+            self._device_storage[payload.untyped_storage().data_ptr()] = chunk
+            if chunk.kind in DYNAMIC_KINDS:
+                self._resident[chunk.id] = chunk
+                self._resident_bytes += chunk.nbytes
+            else:
+                self._static_bytes += chunk.nbytes
 
     def free_grad_chunks(self) -> None:
         """After the step every gradient is consumed; their chunks need no memory until the
         next backward writes them, and moving dead gradients would waste bandwidth."""
         for layout in self.layouts:
-            chunk = self.group[layout.index].get(ChunkKind.GRAD)
+            chunk = layout.chunks.get(ChunkKind.GRAD)
             if chunk is not None:
                 self._free_payload(chunk)
 
@@ -202,19 +224,21 @@ class ChunkManager:
 
     def _bind(self, slot: TensorSlot, chunk: Chunk) -> None:
         slot.param.data = chunk.view(slot)
+        slot.bound = True
 
     def _unbind(self, slot: TensorSlot) -> None:
         slot.param.data = self._placeholder(self.compute_dtype)
+        slot.bound = False
 
     def bind_layout(self, layout: ChunkLayout) -> None:
         """Rebind a layout's parameters after its slots were rewritten on the device."""
-        chunk = self.group[layout.index][ChunkKind.PARAM]
+        chunk = layout.chunks[ChunkKind.PARAM]
         if chunk.tier is Tier.DEVICE:
             self._bind_arrived(chunk)
 
     def _bind_arrived(self, chunk: Chunk) -> None:
         for slot in chunk.layout.slots:
-            if not slot.grad_in_param_slot:
+            if not slot.grad_in_param_slot and not slot.bound:
                 self._bind(slot, chunk)
 
     # ------------------------------------------------------------------ residency
@@ -249,13 +273,12 @@ class ChunkManager:
         if dst is Tier.DEVICE:
             self._ready(chunk)
             payload, event = self.device.to_device(chunk.payload)
-            self._device_storage[payload.untyped_storage().data_ptr()] = chunk
         else:
             payload = self.device.host_empty(chunk.numel, chunk.dtype)
             event = self.device.to_host(chunk.payload, payload)
-            del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
         self.ledger.free(src.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
-        chunk.payload, chunk.tier, chunk.pending_event = payload, dst, event
+        self._set_payload(chunk, payload, dst)
+        chunk.pending_event = event
         self.ledger.record_move(
             chunk.id, chunk.kind.value, src.value, dst.value, chunk.nbytes, reason
         )
@@ -274,7 +297,7 @@ class ChunkManager:
         if self.tracer.replaying:
             on_host.sort(key=lambda c: self.tracer.next_device_use(c.id))
         budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
-        used = sum(c.nbytes for c in self._dynamic_on_device())
+        used = self._resident_bytes
         for chunk in on_host:
             if self.ledger.would_fit("host", incoming.nbytes):
                 return
@@ -283,28 +306,23 @@ class ChunkManager:
                 used += chunk.nbytes
 
     def _dynamic_on_device(self) -> list[Chunk]:
-        return [
-            c for c in self.chunks.values() if c.tier is Tier.DEVICE and c.kind in DYNAMIC_KINDS
-        ]
+        return list(self._resident.values())
 
     def static_device_bytes(self) -> int:
         """Device bytes placement cannot move: optimizer states homed there, workspaces."""
-        return self.ledger.device.by_kind[WORKSPACE] + sum(
-            c.nbytes
-            for c in self.chunks.values()
-            if c.tier is Tier.DEVICE and c.kind in OPTIMIZER_KINDS
-        )
+        return self.ledger.device.workspace_bytes + self._static_bytes
 
     def _rank(self) -> object:
         return self.placement.rank(self.tracer, lambda c: self._last_access.get(c, -1))
 
     def _evict_for(self, nbytes: int, limit: int, protect: set[int], reason: str) -> None:
         """Evict movable dynamic chunks until ``nbytes`` more fit under ``limit`` and capacity."""
-        resident = self._dynamic_on_device()
-        used = sum(c.nbytes for c in resident)
+        used = self._resident_bytes
         if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
             return
-        candidates = [c.id for c in resident if c.id not in protect and c.movable()]
+        candidates = [
+            c.id for c in self._dynamic_on_device() if c.id not in protect and c.movable()
+        ]
         for victim_id in self._rank()(candidates):  # type: ignore[operator]
             if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
                 return
@@ -342,6 +360,11 @@ class ChunkManager:
 
     def ensure_on_device(self, chunks: Sequence[Chunk]) -> None:
         """Bring ``chunks`` to the device, evicting by the placement plan."""
+        if all(chunk.tier is Tier.DEVICE for chunk in chunks):
+            for chunk in chunks:
+                self._ready(chunk)
+                self._touch(chunk)
+            return
         protect = {c.id for c in chunks}
         budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
         resident = {c.id for c in self._dynamic_on_device()}
@@ -362,21 +385,26 @@ class ChunkManager:
             self._touch(chunk)
 
     # ------------------------------------------------------------------ moments
-    def enter_moment(self, phase: Phase, label: str) -> None:
+    def enter_moment(self, moment: Moment) -> None:
         """A module's pre-forward / pre-backward or a step: sample, then let go of pins."""
         self._release_transient_pins()
-        moment = Moment(phase, label)
         chunk_bytes = self.ledger.device.model_bytes
         nonmodel = self.device.meter.current(chunk_bytes)
         index = self.tracer.on_moment(moment, nonmodel)
         self.ledger.set_nonmodel(nonmodel)
-        self.ledger.sample_moment(index, str(moment))
+        self.ledger.sample_moment(index, moment.name)
         self.device.meter.reset_peak(chunk_bytes)
 
     def after_access(self) -> None:
         """Once a moment's chunks are in: keep within the budget, then prefetch."""
+        all_resident = len(self._resident) == self._dynamic_with_payload
+        lowest = self.placement.lowest_budget(self.tracer, self.static_device_bytes())
+        if all_resident and lowest is not None and self._resident_bytes <= lowest:
+            return  # everything is in and fits at every moment of the trace
         budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
         self._evict_for(0, budget, protect=set(), reason="evict")
+        if all_resident:
+            return
         for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
             chunk = self.chunks.get(chunk_id)
             if chunk is None or chunk.tier is Tier.DEVICE or chunk.tier is None:
@@ -384,8 +412,7 @@ class ChunkManager:
             window_budget = self.placement.chunk_budget(
                 self.tracer, self.static_device_bytes(), moments_ahead=ahead
             )
-            used = sum(c.nbytes for c in self._dynamic_on_device())
-            if used + chunk.nbytes > window_budget or not self.ledger.would_fit(
+            if self._resident_bytes + chunk.nbytes > window_budget or not self.ledger.would_fit(
                 "device", chunk.nbytes
             ):
                 break
@@ -422,37 +449,38 @@ class ChunkManager:
 
     # ------------------------------------------------------------------ access / release
     def _slot_for_access(self, param: torch.nn.Parameter) -> TensorSlot:
-        slot = self.slots.get(param)
+        slot = self.slots.get(id(param))
         if slot is None:
             slot = self._pack(param, Tier.DEVICE)
         if slot.grad_in_param_slot:
             self._repair_grad_slot(slot)
         return slot
 
-    def param_chunk(self, slot_or_layout: TensorSlot | ChunkLayout) -> Chunk:
-        layout = (
-            slot_or_layout
-            if isinstance(slot_or_layout, ChunkLayout)
-            else self.layout_of[slot_or_layout.param]
-        )
-        return self.group[layout.index][ChunkKind.PARAM]
+    @staticmethod
+    def param_chunk(slot: TensorSlot) -> Chunk:
+        return slot.layout.chunks[ChunkKind.PARAM]
 
     def access(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Put ``params`` in COMPUTE with their chunks on the device and ``.data`` bound."""
-        slots = [self._slot_for_access(p) for p in params]
-        chunks = list(dict.fromkeys(self.param_chunk(s) for s in slots))
+        slots = []
+        for param in params:
+            slot = self.slots.get(id(param))
+            if slot is None or slot.grad_in_param_slot:
+                slot = self._slot_for_access(param)
+            slots.append(slot)
+        chunks = list(dict.fromkeys(slot.layout.chunks[ChunkKind.PARAM] for slot in slots))
         self.ensure_on_device(chunks)
         for slot in slots:
             slot.users += 1
             if slot.state is not TensorState.COMPUTE:
                 slot.set_state(TensorState.COMPUTE)
-            if slot.param.data.data_ptr() != self.param_chunk(slot).view(slot).data_ptr():
+            if not slot.bound:
                 self._bind(slot, self.param_chunk(slot))
 
     def release(self, params: Sequence[torch.nn.Parameter], state: TensorState) -> None:
         """One user of each of ``params`` is done; the last one moves it to ``state``."""
         for param in params:
-            slot = self.slots[param]
+            slot = self.slots[id(param)]
             if slot.users == 0:
                 continue
             slot.users -= 1
@@ -516,8 +544,8 @@ class ChunkManager:
 
     # ------------------------------------------------------------------ gradients
     def _grad_home(self, slot: TensorSlot) -> Chunk:
-        layout = self.layout_of[slot.param]
-        chunks = self.group[layout.index]
+        layout = slot.layout
+        chunks = layout.chunks
         if self.grads_in_param_slot and not slot.needs_grad_chunk:
             return chunks[ChunkKind.PARAM]
         if ChunkKind.GRAD not in chunks:
@@ -525,40 +553,44 @@ class ChunkManager:
         return chunks[ChunkKind.GRAD]
 
     def store_grad(self, param: torch.nn.Parameter) -> None:
-        """Move ``param.grad`` into its chunk (adding to earlier contributions) and free it."""
+        """Move ``param.grad`` into its chunk (adding to earlier contributions) and free it.
+
+        Runs once per parameter per backward, so it stays lean: the gradient in flight is
+        counted as non-model memory while it exists, and nothing can evict the home chunk
+        between fetching it and the copy.
+        """
         grad = param.grad
         if grad is None:
             return
         param.grad = None
-        slot = self.slots[param]
-        nbytes = grad.numel() * grad.element_size()
-        self.device.meter.add(nbytes)
+        slot = self.slots[id(param)]
+        meter = self.device.meter
+        nbytes = grad.nelement() * grad.element_size()
+        meter.add(nbytes)
         try:
             self.on_nonmodel_growth()
             home = self._grad_home(slot)
-            self.ensure_on_device([home])
-            home.pins += 1
-            try:
-                view = home.view(slot)
-                if slot.has_grad:
-                    view.add_(grad)
-                else:
-                    view.copy_(grad)
-                if home.kind is ChunkKind.PARAM and not slot.grad_in_param_slot:
-                    slot.grad_in_param_slot = True
-                    self._unbind(slot)
-            finally:
-                home.pins -= 1
+            if home.tier is Tier.DEVICE and home.pending_event is None:
+                self._touch(home)
+            else:
+                self.ensure_on_device([home])
+            view = home.view(slot)
+            if slot.grad_contributions:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
             slot.grad_contributions += 1
+            if home.kind is ChunkKind.PARAM and not slot.grad_in_param_slot:
+                slot.grad_in_param_slot = True
+                self._unbind(slot)
         finally:
             del grad
-            self.device.meter.remove(nbytes)
+            meter.remove(nbytes)
             self.account_nonmodel()
 
     def _repair_grad_slot(self, slot: TensorSlot) -> None:
         """The value of a parameter whose slot holds its gradient is needed: separate them."""
-        layout = self.layout_of[slot.param]
-        chunks = self.group[layout.index]
+        chunks = slot.layout.chunks
         param_chunk = chunks[ChunkKind.PARAM]
         master = chunks[ChunkKind.MASTER]
         slot.needs_grad_chunk = True
@@ -573,17 +605,27 @@ class ChunkManager:
 
     def grad_view(self, slot: TensorSlot) -> torch.Tensor:
         """Where ``slot``'s gradient is now (device or host)."""
-        chunks = self.group[self.layout_of[slot.param].index]
+        chunks = slot.layout.chunks
         home = chunks[ChunkKind.PARAM] if slot.grad_in_param_slot else chunks[ChunkKind.GRAD]
         self._ready(home)
         return home.view(slot)
+
+    def grad_views(self, slots: list[TensorSlot]) -> list[torch.Tensor]:
+        """``grad_view`` of each slot of one layout, without a call per slot when they agree."""
+        in_param_slot = [slot.grad_in_param_slot for slot in slots]
+        if all(in_param_slot) or not any(in_param_slot):
+            chunks = slots[0].layout.chunks
+            home = chunks[ChunkKind.PARAM] if in_param_slot[0] else chunks[ChunkKind.GRAD]
+            self._ready(home)
+            return home.views(slots)
+        return [self.grad_view(slot) for slot in slots]
 
     def discard_grads(self) -> None:
         """Drop this cycle's gradients; slots that held one get their value from the master."""
         for slot in self.slots.values():
             if not slot.grad_in_param_slot:
                 continue
-            chunks = self.group[self.layout_of[slot.param].index]
+            chunks = slot.layout.chunks
             param_chunk, master = chunks[ChunkKind.PARAM], chunks[ChunkKind.MASTER]
             self._ready(param_chunk)
             self._ready(master)
@@ -627,7 +669,7 @@ class ChunkManager:
         for position, layout in enumerate(layouts):
             home = Tier.DEVICE if position < on_device else Tier.HOST
             self.optimizer_homes[layout.index] = home
-            chunks = self.group[layout.index]
+            chunks = layout.chunks
             if ChunkKind.MASTER in chunks and home is Tier.DEVICE:
                 self._make_room(chunks[ChunkKind.MASTER].nbytes, set(), "optimizer home")
                 self._move(chunks[ChunkKind.MASTER], Tier.DEVICE, "optimizer home")
@@ -644,7 +686,7 @@ class ChunkManager:
         """Bring a layout's parameter and gradient chunks to its optimizer home and pin all."""
         assert self.optimizer_homes is not None
         home = self.optimizer_homes[layout.index]
-        chunks = self.group[layout.index]
+        chunks = layout.chunks
         dynamic = [chunks[k] for k in DYNAMIC_KINDS if k in chunks]
         for chunk in dynamic:
             self._touch(chunk, home)
@@ -679,7 +721,7 @@ class ChunkManager:
     # ------------------------------------------------------------------ reading values
     def values(self, slot: TensorSlot, prefer_master: bool = True) -> torch.Tensor:
         """A CPU copy of a parameter's current value (fp32 master when there is one)."""
-        chunks = self.group[self.layout_of[slot.param].index]
+        chunks = slot.layout.chunks
         source = chunks.get(ChunkKind.MASTER) if prefer_master else None
         if source is None:
             source = chunks[ChunkKind.PARAM]

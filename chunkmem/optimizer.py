@@ -17,7 +17,7 @@ import torch
 from chunkmem.chunk import ChunkKind, ChunkLayout, TensorSlot, Tier
 from chunkmem.errors import ConfigError
 from chunkmem.manager import ChunkManager
-from chunkmem.tracer import Phase
+from chunkmem.tracer import Moment, Phase
 
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -68,7 +68,7 @@ class ChunkAdam:
         self,
         manager: ChunkManager,
         param_groups: list[dict[str, Any]],
-        group_of: dict[torch.nn.Parameter, int],
+        group_of: dict[int, int],
         decoupled_weight_decay: bool,
     ) -> None:
         self.manager = manager
@@ -96,13 +96,13 @@ class ChunkAdam:
         self, layout: ChunkLayout, slots: Sequence[TensorSlot], divisor: float
     ) -> None:
         manager = self.manager
-        manager.enter_moment(Phase.STEP, f"chunk {layout.index}")
+        manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
         chunks = manager.step_chunks(layout)
         home = manager.optimizer_homes[layout.index]  # type: ignore[index]
         workspace = None
         try:
             if ChunkKind.MASTER in chunks:
-                params = [chunks[ChunkKind.MASTER].view(s) for s in slots]
+                params = chunks[ChunkKind.MASTER].views(slots)
                 workspace = manager.allocate_workspace(
                     sum(s.numel for s in slots),
                     torch.float32,
@@ -111,17 +111,17 @@ class ChunkAdam:
                 )
                 grads = list(torch.split(workspace, [s.numel for s in slots]))
                 grads = [g.view(s.shape) for g, s in zip(grads, slots, strict=True)]
-                torch._foreach_copy_(grads, [manager.grad_view(s) for s in slots])
+                torch._foreach_copy_(grads, manager.grad_views(slots))
             else:
-                params = [chunks[ChunkKind.PARAM].view(s) for s in slots]
-                grads = [manager.grad_view(s) for s in slots]
-            exp_avgs = [chunks[ChunkKind.EXP_AVG].view(s) for s in slots]
-            exp_avg_sqs = [chunks[ChunkKind.EXP_AVG_SQ].view(s) for s in slots]
+                params = chunks[ChunkKind.PARAM].views(slots)
+                grads = manager.grad_views(slots)
+            exp_avgs = chunks[ChunkKind.EXP_AVG].views(slots)
+            exp_avg_sqs = chunks[ChunkKind.EXP_AVG_SQ].views(slots)
             device = params[0].device
             steps = [self._step_tensor(s, device) for s in slots]
             by_group: dict[int, list[int]] = {}
             for position, slot in enumerate(slots):
-                by_group.setdefault(self.group_of[slot.param], []).append(position)
+                by_group.setdefault(self.group_of[id(slot.param)], []).append(position)
             torch._foreach_add_(steps, 1)
             grad_scale = (
                 None
@@ -133,7 +133,7 @@ class ChunkAdam:
                     group_index, positions, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale
                 )
             if ChunkKind.MASTER in chunks:
-                torch._foreach_copy_([chunks[ChunkKind.PARAM].view(s) for s in slots], params)
+                torch._foreach_copy_(chunks[ChunkKind.PARAM].views(slots), params)
         finally:
             if workspace is not None:
                 manager.free_workspace(workspace, home)
@@ -175,7 +175,7 @@ class ChunkAdam:
             slots = [s for s in layout.slots if s.grad_in_param_slot]
             if not slots:
                 continue
-            manager.enter_moment(Phase.STEP, f"chunk {layout.index}")
+            manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
             chunks = manager.step_chunks(layout)
             try:
                 torch._foreach_copy_(

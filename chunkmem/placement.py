@@ -121,6 +121,13 @@ class Placement:
         peak = tracer.traced_nonmodel_peak(tracer.index, tracer.index + 1 + moments_ahead)
         return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
 
+    def lowest_budget(self, tracer: Tracer, static_bytes: int) -> int | None:
+        """The smallest chunk budget of any moment of the replayed trace (None: recording)."""
+        if tracer.replay is None:
+            return None
+        peak = tracer.replay.max_nonmodel
+        return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
+
     def rank(
         self, tracer: Tracer, last_access: Callable[[int], int]
     ) -> Callable[[Iterable[int]], list[int]]:

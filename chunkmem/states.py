@@ -6,12 +6,11 @@ a tensor in COMPUTE is being read or written by an operator right now.
 
 from __future__ import annotations
 
-import enum
-
+from chunkmem._enum import FastHashEnum
 from chunkmem.errors import IllegalTransitionError
 
 
-class TensorState(enum.Enum):
+class TensorState(FastHashEnum):
     """Where a tensor is in its life within one training iteration.
 
     FREE: the tensor has no payload yet (not packed, or its chunk was never allocated).

@@ -13,18 +13,19 @@ completes, it is kept beside the old trace, so patterns that alternate are both 
 from __future__ import annotations
 
 import bisect
-import enum
+import functools
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
+from chunkmem._enum import FastHashEnum
 from chunkmem.chunk import Tier
 
 _TRACES_PER_SIGNATURE = 4
 _SIGNATURES = 64  # least recently used signatures beyond this are forgotten
 
 
-class Phase(enum.Enum):
+class Phase(FastHashEnum):
     FORWARD = "fwd"
     BACKWARD = "bwd"
     STEP = "step"
@@ -37,8 +38,12 @@ class Moment:
     phase: Phase
     label: str
 
-    def __str__(self) -> str:
+    @functools.cached_property
+    def name(self) -> str:
         return f"{self.phase.value}:{self.label}"
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass
@@ -50,6 +55,7 @@ class Trace:
     freed: list[set[int]] = field(default_factory=list)  # chunks whose content died here
     nonmodel_peak: list[int] = field(default_factory=list)  # until the next moment
     _device_uses: dict[int, list[int]] = field(default_factory=dict)
+    max_nonmodel: int = 0
 
     def __len__(self) -> int:
         return len(self.moments)
@@ -62,6 +68,7 @@ class Trace:
                 if tier is Tier.DEVICE:
                     uses.setdefault(chunk_id, []).append(index)
         self._device_uses = uses
+        self.max_nonmodel = max(self.nonmodel_peak, default=0)
 
     def next_device_use(self, chunk_id: int, now: int) -> float:
         """Moments from ``now`` until the chunk is needed on the device (0: this moment).

@@ -109,7 +109,7 @@ def test_frozen_parameters_stay_fixed_and_get_no_optimizer_states() -> None:
     frozen_layouts = [layout for layout in manager.layouts if not layout.trainable]
     assert {s.name for layout in frozen_layouts for s in layout.slots} == set(frozen_names)
     for layout in frozen_layouts:
-        assert set(manager.group[layout.index]) == {ChunkKind.PARAM}
+        assert set(layout.chunks) == {ChunkKind.PARAM}
     state = engine.state_dict()
     original = dict(model.named_parameters())
     for name in frozen_names:

@@ -56,13 +56,20 @@ def test_bad_formats_are_named(kwargs, words):
 
 def test_swizzle_needs_a_topology():
     with pytest.raises(ValueError, match="nodes must be an int >= 1, got 0"):
-        kernels.swizzled_quantize(torch.randn(8), nodes=0, devices_per_node=2, bits=8, group_size=4, symmetric=True)
+        kernels.swizzled_quantize(
+            torch.randn(8), nodes=0, devices_per_node=2, bits=8, group_size=4, symmetric=True
+        )
 
 
-@pytest.mark.parametrize("field, other", [
-    ("numel", _q(numel=192)), ("bits", _q(bits=4)), ("group_size", _q(group_size=32)),
-    ("symmetric", _q(symmetric=False)),
-])
+@pytest.mark.parametrize(
+    "field, other",
+    [
+        ("numel", _q(numel=192)),
+        ("bits", _q(bits=4)),
+        ("group_size", _q(group_size=32)),
+        ("symmetric", _q(symmetric=False)),
+    ],
+)
 def test_mismatched_reduce_inputs_are_named(field, other):
     with pytest.raises(ValueError, match=f"inputs\\[1\\].{field}="):
         kernels.dequant_reduce_requant([_q(), other])
@@ -120,7 +127,9 @@ def test_backend_for_names_the_choice_and_the_reason(monkeypatch):
     if not torch.cuda.is_available():
         assert cuda.name == "reference" and "sees no CUDA device" in cuda.reason
     monkeypatch.setenv(kernels.BACKEND_ENV, "reference")
-    assert kernels.backend_for("cpu") == kernels.BackendChoice("reference", "CHUNKMEM_KERNELS_BACKEND=reference")
+    assert kernels.backend_for("cpu") == kernels.BackendChoice(
+        "reference", "CHUNKMEM_KERNELS_BACKEND=reference"
+    )
     monkeypatch.setenv(kernels.BACKEND_ENV, "fast")
     with pytest.raises(ValueError, match="CHUNKMEM_KERNELS_BACKEND='fast'"):
         kernels.backend_for("cpu")
@@ -128,8 +137,12 @@ def test_backend_for_names_the_choice_and_the_reason(monkeypatch):
 
 def _run_python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env={**os.environ, **env},
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -166,7 +179,9 @@ def test_concurrent_first_builds_share_one_cache_entry(tmp_path):
     code = "from kernels._native import load_cpu; print(load_cpu().path)"
     env = {**os.environ, "CHUNKMEM_CACHE_DIR": str(tmp_path)}
     procs = [
-        subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        )
         for _ in range(2)
     ]
     paths = {p.communicate(timeout=300)[0].strip() for p in procs}
@@ -190,7 +205,12 @@ def test_cuda_loader_rejects_a_library_for_another_cuda_or_device(tmp_path, monk
     from kernels._cuda import NVCC_FLAGS, check_library
 
     monkeypatch.setenv("CHUNKMEM_CACHE_DIR", str(tmp_path))
-    path = build("chunkmem_quant_cuda", shutil.which("nvcc"), CSRC / "quant_cuda.cu", [*NVCC_FLAGS, "-arch=sm_80"])
+    path = build(
+        "chunkmem_quant_cuda",
+        shutil.which("nvcc"),
+        CSRC / "quant_cuda.cu",
+        [*NVCC_FLAGS, "-arch=sm_80"],
+    )
     lib = ctypes.CDLL(str(path))
     version = lib.cmq_cuda_runtime_version()
     built = f"{version // 1000}.{version % 1000 // 10}"

@@ -32,6 +32,7 @@ def _input(rank: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _all_to_all(q: QuantizedTensor, group: dist.ProcessGroup) -> QuantizedTensor:
     """Exchange equal blocks of data, scales and offsets; returns what this rank received."""
+
     def exchange(t: torch.Tensor | None) -> torch.Tensor | None:
         if t is None:
             return None
@@ -40,8 +41,14 @@ def _all_to_all(q: QuantizedTensor, group: dist.ProcessGroup) -> QuantizedTensor
         return out
 
     return QuantizedTensor(
-        exchange(q.data), exchange(q.scales), exchange(q.offsets), q.numel, q.bits,
-        q.group_size, q.symmetric, q.dtype,
+        exchange(q.data),
+        exchange(q.scales),
+        exchange(q.offsets),
+        q.numel,
+        q.bits,
+        q.group_size,
+        q.symmetric,
+        q.dtype,
     )
 
 
@@ -74,7 +81,14 @@ def _bound(rank, bits, group_size, symmetric, dtype, last):
         padded = torch.zeros(WORLD * s, dtype=torch.float64)
         padded[:NUMEL] = _input(r, dtype).double()
         magnitude += padded[rank * s : (rank + 1) * s].abs()
-        q = reference.swizzled_quantize(_input(r, dtype), nodes=NODES, devices_per_node=PER_NODE, bits=bits, group_size=group_size, symmetric=symmetric)
+        q = reference.swizzled_quantize(
+            _input(r, dtype),
+            nodes=NODES,
+            devices_per_node=PER_NODE,
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
+        )
         steps1 += q.split(WORLD)[position].scales.double().repeat_interleave(group_size)
     steps2 = sum(per_element(q, q.scales).double() for q in last)
     quant_error = (steps1 + steps2) * per_step
@@ -93,14 +107,21 @@ def _expected(rank: int, group_size: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _worker(rank: int, init_file: str) -> None:
     dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=WORLD,
         timeout=timedelta(seconds=60),
     )
     torch.set_num_threads(1)
     node, local = divmod(rank, PER_NODE)
     # Every rank creates every group, in the same order.
-    intra_groups = [dist.new_group([n * PER_NODE + i for i in range(PER_NODE)]) for n in range(NODES)]
-    inter_groups = [dist.new_group([n * PER_NODE + i for n in range(NODES)]) for i in range(PER_NODE)]
+    intra_groups = [
+        dist.new_group([n * PER_NODE + i for i in range(PER_NODE)]) for n in range(NODES)
+    ]
+    inter_groups = [
+        dist.new_group([n * PER_NODE + i for n in range(NODES)]) for i in range(PER_NODE)
+    ]
     intra, inter = intra_groups[node], inter_groups[local]
     try:
         for bits, group_size, symmetric, dtype in CONFIGS:

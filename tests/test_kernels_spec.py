@@ -45,7 +45,9 @@ def _edge_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
         "negative_zeros": torch.full((n,), -0.0, dtype=dtype),
         "outlier_per_group": outliers.to(dtype),
         "denormals": (torch.randn(n) * tiny * 0.25).to(dtype),
-        "denormals_and_normals": torch.cat([torch.randn(G) * tiny * 0.1, torch.randn(n - G)]).to(dtype),
+        "denormals_and_normals": torch.cat([torch.randn(G) * tiny * 0.1, torch.randn(n - G)]).to(
+            dtype
+        ),
         "constant_groups": constant.to(dtype),
         "near_max": (torch.rand(n) * 2 - 1).to(dtype) * torch.finfo(dtype).max,
         "positive_only": torch.rand(n).to(dtype) + 3,
@@ -129,7 +131,9 @@ def test_reconstruction_error_is_within_half_a_step(fmt, dtype):
         x_hat = kernels.dequantize(q, out_dtype=torch.float32)
         err = (x.double() - x_hat.double()).abs()
         bound = roundtrip_bound(q, x, x_hat)
-        assert bool((err <= bound).all()), f"{name}: error {float((err - bound).max())} over the bound"
+        assert bool((err <= bound).all()), (
+            f"{name}: error {float((err - bound).max())} over the bound"
+        )
         if name == "random":
             steps = q.scales.repeat_interleave(G)[: q.numel].double()
             worst = float((err / steps).max())
@@ -187,12 +191,19 @@ def test_int4_packing_round_trips(symmetric, backend):
         data[data & 0xF == 8] ^= 0x1  # -8 is not a symmetric level
         data[data >> 4 == 8] ^= 0x10
     q = QuantizedTensor(
-        data=data, scales=torch.ones(groups), offsets=None if symmetric else torch.zeros(groups),
-        numel=groups * group_size, bits=4, group_size=group_size, symmetric=symmetric,
+        data=data,
+        scales=torch.ones(groups),
+        offsets=None if symmetric else torch.zeros(groups),
+        numel=groups * group_size,
+        bits=4,
+        group_size=group_size,
+        symmetric=symmetric,
         dtype=torch.float32,
     )
     values = kernels.dequantize(q, backend=backend)
-    again = kernels.quantize(values, bits=4, group_size=group_size, symmetric=symmetric, backend=backend)
+    again = kernels.quantize(
+        values, bits=4, group_size=group_size, symmetric=symmetric, backend=backend
+    )
     assert torch.equal(again.data, data)
 
 
@@ -258,6 +269,12 @@ def test_16bit_conversions_match_torch_exhaustively(dtype):
         data=torch.zeros(values.numel(), dtype=torch.uint8),
         scales=torch.ones(values.numel()),
         offsets=values,
-        numel=values.numel(), bits=8, group_size=1, symmetric=False, dtype=torch.float32,
+        numel=values.numel(),
+        bits=8,
+        group_size=1,
+        symmetric=False,
+        dtype=torch.float32,
     )
-    assert_same_bits(kernels.dequantize(q, out_dtype=dtype, backend="cpu"), (values + 0.0).to(dtype), "narrowing")
+    assert_same_bits(
+        kernels.dequantize(q, out_dtype=dtype, backend="cpu"), (values + 0.0).to(dtype), "narrowing"
+    )
