@@ -214,6 +214,25 @@ def test_html_is_self_contained_and_escapes_module_labels(run) -> None:
     assert f"capacity {format_bytes(run[0].ledger.device.capacity)}</text>" in html
 
 
+def test_html_move_tables_count_every_recorded_move(run) -> None:
+    engine, paths = run
+    html = paths["html"].read_text()
+    whole_run: Counter[tuple[str, str, str]] = Counter()
+    whole_run_bytes: Counter[tuple[str, str, str]] = Counter()
+    for move in engine.ledger.moves:
+        key = (f"to_{move.dst}", move.kind, move.reason)
+        whole_run[key] += 1
+        whole_run_bytes[key] += move.nbytes
+    assert len(whole_run) > 1
+    for key, count in whole_run.items():
+        cells = "".join(f"<td>{value}</td>" for value in key)
+        assert (
+            f'<tr>{cells}<td class="n">{count:,}</td><td class="n">{whole_run_bytes[key]:,}</td></tr>'
+            in html
+        )
+    assert f"First {len(engine.ledger.moves)} of {len(engine.ledger.moves)} recorded moves" in html
+
+
 def test_html_of_a_long_run_keeps_peaks_and_says_it_shows_fewer_moments(doc) -> None:
     long_doc = dict(doc, moments=doc["moments"] * 20)  # 20 x 117 moments > MAX_POINTS
     peak = max(doc["moments"], key=lambda m: device_total(**m["device"]))

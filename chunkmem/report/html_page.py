@@ -242,7 +242,7 @@ def _moment_hover(
 def _iteration_separators(iterations: Sequence[int]) -> tuple[list[tuple[int, str]], list[str]]:
     starts = [i for i in range(1, len(iterations)) if iterations[i] != iterations[i - 1]]
     if len(starts) > _MAX_SEPARATORS:
-        return [], [f"{len(starts) + 1:,} iterations: too many to separate by lines."]
+        return [], ["Too many iterations to separate by lines."]
     labelled = len(starts) < _MAX_SEPARATOR_LABELS
     return [(i, f"iteration {iterations[i]}" if labelled else "") for i in starts], []
 
@@ -287,16 +287,13 @@ def _moves_section(doc: dict[str, Any]) -> str:
         )
     if not moves:
         return heading + '<p class="note">No chunk moved between tiers.</p>' + _notes(notes)
-    counts: Counter[tuple[int, str, str, str]] = Counter()
-    nbytes: Counter[tuple[int, str, str, str]] = Counter()
-    for move in moves:
-        key = (move["iteration"], move["direction"], move["kind"], move["reason"])
-        counts[key] += 1
-        nbytes[key] += move["nbytes"]
-    keys = sorted(counts)
-    if len(keys) > MAX_AGGREGATE_ROWS:
-        notes.append(f"The first {MAX_AGGREGATE_ROWS:,} of {len(keys):,} rows are shown.")
-    rows = [(*key, counts[key], nbytes[key]) for key in keys[:MAX_AGGREGATE_ROWS]]
+    whole_run = _aggregate(moves, ("direction", "kind", "reason"))
+    per_iteration = _aggregate(moves, ("iteration", "direction", "kind", "reason"))
+    if len(per_iteration) > MAX_AGGREGATE_ROWS:
+        notes.append(
+            f"The first {MAX_AGGREGATE_ROWS:,} of {len(per_iteration):,} rows are shown; the "
+            "whole-run table above covers every recorded move."
+        )
     raw = [
         (
             m["seq"],
@@ -313,11 +310,27 @@ def _moves_section(doc: dict[str, Any]) -> str:
     ]
     return (
         heading
-        + '<p class="note">Aggregated by iteration, direction, chunk kind and reason.</p>'
-        + _table(["iteration", "direction", "kind", "reason", "moves", "bytes"], rows)
+        + '<p class="note">Whole run, by direction, chunk kind and reason.</p>'
+        + _table(["direction", "kind", "reason", "moves", "bytes"], whole_run)
+        + '<p class="note">By iteration, direction, chunk kind and reason.</p>'
+        + _table(
+            ["iteration", "direction", "kind", "reason", "moves", "bytes"],
+            per_iteration[:MAX_AGGREGATE_ROWS],
+        )
         + _notes(notes)
         + f"<h2>First {len(raw):,} of {len(moves):,} recorded moves</h2>"
         + _table(
             ["seq", "iteration", "moment", "chunk", "kind", "from", "to", "bytes", "reason"], raw
         )
     )
+
+
+def _aggregate(moves: Sequence[dict[str, Any]], fields: Sequence[str]) -> list[tuple[Any, ...]]:
+    """Rows of ``fields`` values, move count and bytes, sorted by ``fields``."""
+    counts: Counter[tuple[Any, ...]] = Counter()
+    nbytes: Counter[tuple[Any, ...]] = Counter()
+    for move in moves:
+        key = tuple(move[field] for field in fields)
+        counts[key] += 1
+        nbytes[key] += move["nbytes"]
+    return [(*key, counts[key], nbytes[key]) for key in sorted(counts)]

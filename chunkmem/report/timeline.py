@@ -18,34 +18,41 @@ free) is drawn under.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 from chunkmem.ledger import AllocationEvent, MomentSample
 
-_State = frozenset[tuple[tuple[str, str], int]]
+_Key = tuple[str, str]  # (tier, kind)
 
 
-def _state_of(counts: Counter[tuple[str, str]]) -> _State:
-    return frozenset((key, value) for key, value in counts.items() if value)
+def _keys(events: Sequence[AllocationEvent], samples: Sequence[MomentSample]) -> list[_Key]:
+    keys = {(event.tier, event.kind) for event in events}
+    for sample in samples:
+        keys.update(("device", kind) for kind in sample.device_by_kind)
+        keys.update(("host", kind) for kind in sample.host_by_kind)
+    return sorted(keys)
 
 
-def _sample_state(sample: MomentSample) -> _State:
-    counts: Counter[tuple[str, str]] = Counter()
-    for tier, by_kind in (("device", sample.device_by_kind), ("host", sample.host_by_kind)):
-        for kind, nbytes in by_kind.items():
-            counts[tier, kind] = nbytes
-    return _state_of(counts)
+def _sample_state(sample: MomentSample, keys: list[_Key]) -> tuple[int, ...]:
+    by_tier = {"device": sample.device_by_kind, "host": sample.host_by_kind}
+    return tuple(by_tier[tier].get(kind, 0) for tier, kind in keys)
 
 
-def _states_after_each_event(events: Sequence[AllocationEvent]) -> list[_State]:
-    """``states[p]``: bytes per (tier, kind) after the first ``p`` events."""
-    counts: Counter[tuple[str, str]] = Counter()
-    states = [_state_of(counts)]
+def _states_after_each_event(
+    events: Sequence[AllocationEvent], keys: list[_Key]
+) -> list[tuple[int, ...]]:
+    """``states[p]``: bytes per key after the first ``p`` events.
+
+    Tuples over a fixed key order stay small for long runs: consecutive states share all
+    but one of their int objects.
+    """
+    column = {key: i for i, key in enumerate(keys)}
+    counts = [0] * len(keys)
+    states = [tuple(counts)]
     for event in events:
         sign = 1 if event.action == "alloc" else -1
-        counts[event.tier, event.kind] += sign * event.nbytes
-        states.append(_state_of(counts))
+        counts[column[event.tier, event.kind]] += sign * event.nbytes
+        states.append(tuple(counts))
     return states
 
 
@@ -55,14 +62,15 @@ def place_moments(events: Sequence[AllocationEvent], samples: Sequence[MomentSam
     The list stops at the first sample no position fits, which happens only when the ledger
     dropped events: callers then draw only what the recorded events support.
     """
-    states = _states_after_each_event(events)
+    keys = _keys(events, samples)
+    states = _states_after_each_event(events, keys)
     # Before the first sample every event carries the ledger's initial label, whatever it is.
     label = events[0].moment if events else ""
     low_iteration = events[0].iteration if events else 0
     reachable: dict[int, int] = {0: 0}  # position -> the position it was reached from
     chains: list[dict[int, int]] = []
     for sample in samples:
-        target = _sample_state(sample)
+        target = _sample_state(sample, keys)
         found: dict[int, int] = {}
         scanned_to = -1
         for start in sorted(reachable):
