@@ -94,6 +94,7 @@ class MomentSample:
     device_by_kind: dict[str, int]
     device_nonmodel: int
     host_by_kind: dict[str, int]
+    allocations_before: int  # allocation events (recorded or dropped) before this sample
 
 
 class Ledger:
@@ -211,6 +212,7 @@ class Ledger:
                 dict(self.device.by_kind),
                 self.device.nonmodel,
                 dict(self.host.by_kind),
+                len(self.allocations) + self.allocations_dropped,
             )
         )
 

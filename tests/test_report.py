@@ -62,7 +62,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[chunkmem.Engine, dict
     capacity = int(SMALL.num_parameters() * 14 * 0.45)
     engine = chunkmem.initialize(
         OddlyNamed(),
-        config={"device": {"type": "simulated", "capacity": capacity}, "precision": "bf16"},
+        config={
+            "device": {"type": "simulated", "capacity": capacity},
+            "precision": "bf16",
+            "placement": {"unit_elements": 1},  # a moment per module: many labels to escape
+        },
     )
     train_engine(engine, token_batches(3, 2, 16, SMALL.vocab_size))
     return engine, engine.write_report(tmp_path_factory.mktemp("report"))
@@ -329,15 +333,18 @@ def test_moments_are_placed_exactly_when_labels_repeat_and_a_run_sums_to_zero() 
 
 
 def test_snapshot_stops_at_the_last_moment_its_recorded_allocations_support() -> None:
-    ledger = Ledger(device_capacity=1000, host_capacity=None, max_move_events=2)
+    # The cap of 3 keeps samples m0..m2 and the allocations c0a, c0b, c1a: the state at m1 is
+    # fully known, the one at m2 needs the dropped c1b, and m3 was never sampled.
+    ledger = Ledger(device_capacity=1000, host_capacity=None, max_move_events=3)
     for index in range(4):
         ledger.sample_moment(index, f"fwd:m{index}")
-        ledger.allocate("device", "param", 10, "x", f"chunk {index}")
-    assert ledger.allocations_dropped == 2
+        ledger.allocate("device", "param", 10, "x", f"chunk {index}a")
+        ledger.allocate("device", "param", 10, "x", f"chunk {index}b")
+    assert ledger.allocations_dropped == 5 and ledger.moment_samples_dropped == 1
     snapshot = build_snapshot(ledger)
-    assert [m["label"] for m in snapshot["chunkmem"]["moments"]] == ["fwd:m0", "fwd:m1", "fwd:m2"]
+    assert [m["label"] for m in snapshot["chunkmem"]["moments"]] == ["fwd:m0", "fwd:m1"]
     assert snapshot["chunkmem"]["moments_omitted"] == 1
-    assert snapshot["chunkmem"]["allocations_dropped"] == 2
+    assert snapshot["chunkmem"]["allocations_dropped"] == 5
 
 
 def test_memory_trace_of_an_engine_that_never_ran_is_valid(tmp_path: Path) -> None:
