@@ -259,7 +259,7 @@ class ChunkManager:
         if not chunk.movable():
             raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
         if dst is Tier.HOST:
-            self._make_host_room(chunk)
+            self._make_host_room(chunk.nbytes, protect={chunk.id})
         self.ledger.allocate(
             dst.value,
             chunk.kind.value,
@@ -285,21 +285,24 @@ class ChunkManager:
         if chunk.kind is ChunkKind.PARAM and dst is Tier.DEVICE:
             self._bind_arrived(chunk)
 
-    def _make_host_room(self, incoming: Chunk) -> None:
+    def _make_host_room(self, nbytes: int, protect: set[int]) -> None:
         """A limited host is full: send host chunks needed soonest on the device up early."""
-        if self.ledger.would_fit("host", incoming.nbytes):
+        if self.ledger.would_fit("host", nbytes):
             return
         on_host = [
             c
             for c in self.chunks.values()
-            if c.tier is Tier.HOST and c.kind in DYNAMIC_KINDS and c is not incoming and c.movable()
+            if c.tier is Tier.HOST
+            and c.kind in DYNAMIC_KINDS
+            and c.id not in protect
+            and c.movable()
         ]
         if self.tracer.replaying:
             on_host.sort(key=lambda c: self.tracer.next_device_use(c.id))
         budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
         used = self._resident_bytes
         for chunk in on_host:
-            if self.ledger.would_fit("host", incoming.nbytes):
+            if self.ledger.would_fit("host", nbytes):
                 return
             if used + chunk.nbytes <= budget and self.ledger.would_fit("device", chunk.nbytes):
                 self._move(chunk, Tier.DEVICE, "host pressure")
@@ -683,22 +686,38 @@ class ChunkManager:
         self._new_chunk(layout, kind, torch.float32, home)
 
     def step_chunks(self, layout: ChunkLayout) -> dict[ChunkKind, Chunk]:
-        """Bring a layout's parameter and gradient chunks to its optimizer home and pin all."""
+        """Prepare a layout's chunks for its update at the optimizer home, and pin them all.
+
+        A device home needs the parameter and gradient chunks on the device. A host home with
+        fp32 masters leaves them where they are: gradients stream to the host and updated
+        16-bit values stream back (:meth:`transfer`), so a chunk on the device stays there for
+        the next forward. fp32 training has no master: its parameter chunk is what the host
+        updates, so it and the gradients come to the host.
+        """
         assert self.optimizer_homes is not None
         home = self.optimizer_homes[layout.index]
         chunks = layout.chunks
         dynamic = [chunks[k] for k in DYNAMIC_KINDS if k in chunks]
-        for chunk in dynamic:
-            self._touch(chunk, home)
         if home is Tier.DEVICE:
-            self.ensure_on_device(dynamic)
-        else:
             for chunk in dynamic:
+                self._touch(chunk, home)
+            self.ensure_on_device(dynamic)
+        elif ChunkKind.MASTER not in chunks:
+            for chunk in dynamic:
+                self._touch(chunk, home)
                 self._move(chunk, Tier.HOST, "step")
         for chunk in chunks.values():
             self._ready(chunk)
             chunk.pins += 1
         return chunks
+
+    def transfer(self, chunk: Chunk, src: Tier, dst: Tier, nbytes: int, reason: str) -> None:
+        """Account part of ``chunk`` copied between tiers without moving the chunk (the step's
+        streamed gradients and values)."""
+        if src is dst:
+            return
+        self.ledger.record_move(chunk.id, chunk.kind.value, src.value, dst.value, nbytes, reason)
+        self.tracer.on_stream(nbytes, dst)
 
     def unpin(self, chunks: Iterable[Chunk]) -> None:
         for chunk in chunks:
@@ -712,6 +731,7 @@ class ChunkManager:
             self._make_room(nbytes, protect, "workspace")
             self.ledger.allocate("device", WORKSPACE, nbytes, "a step workspace", WORKSPACE)
             return self.device.empty(numel, dtype)
+        self._make_host_room(nbytes, protect)
         self.ledger.allocate("host", WORKSPACE, nbytes, "a step workspace", WORKSPACE)
         return self.device.host_empty(numel, dtype)
 

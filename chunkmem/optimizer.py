@@ -19,7 +19,10 @@ from chunkmem.errors import ConfigError
 from chunkmem.manager import ChunkManager
 from chunkmem.tracer import Moment, Phase
 
-_HYPER = ("lr", "betas", "eps", "weight_decay")
+# fp32 elements of gradient cast at once in bf16/fp16 training (the fused kernel needs fp32
+# gradients for fp32 masters): 1 MiB of workspace whatever the chunk size, so a large chunk
+# does not need a large transient buffer on a nearly full tier.
+WORKSPACE_ELEMENTS = 1 << 18
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
@@ -99,49 +102,93 @@ class ChunkAdam:
         manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
         chunks = manager.step_chunks(layout)
         home = manager.optimizer_homes[layout.index]  # type: ignore[index]
-        workspace = None
         try:
-            if ChunkKind.MASTER in chunks:
-                params = chunks[ChunkKind.MASTER].views(slots)
-                workspace = manager.allocate_workspace(
-                    sum(s.numel for s in slots),
-                    torch.float32,
-                    home,
-                    {c.id for c in chunks.values()},
-                )
-                grads = list(torch.split(workspace, [s.numel for s in slots]))
-                grads = [g.view(s.shape) for g, s in zip(grads, slots, strict=True)]
-                torch._foreach_copy_(grads, manager.grad_views(slots))
-            else:
-                params = chunks[ChunkKind.PARAM].views(slots)
-                grads = manager.grad_views(slots)
-            exp_avgs = chunks[ChunkKind.EXP_AVG].views(slots)
-            exp_avg_sqs = chunks[ChunkKind.EXP_AVG_SQ].views(slots)
-            device = params[0].device
+            device = chunks[ChunkKind.EXP_AVG].payload.device  # type: ignore[union-attr]
             steps = [self._step_tensor(s, device) for s in slots]
-            by_group: dict[int, list[int]] = {}
-            for position, slot in enumerate(slots):
-                by_group.setdefault(self.group_of[id(slot.param)], []).append(position)
             torch._foreach_add_(steps, 1)
+            step_of = dict(zip(map(id, slots), steps, strict=True))
             grad_scale = (
                 None
                 if divisor == 1.0
                 else torch.tensor(divisor, dtype=torch.float32, device=device)
             )
-            for group_index, positions in by_group.items():
-                self._fused(
-                    group_index, positions, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale
-                )
             if ChunkKind.MASTER in chunks:
-                torch._foreach_copy_(chunks[ChunkKind.PARAM].views(slots), params)
+                self._step_mixed(chunks, slots, step_of, grad_scale, home)
+            else:
+                self._update(
+                    slots,
+                    chunks[ChunkKind.PARAM].views(slots),
+                    manager.grad_views(slots),
+                    chunks[ChunkKind.EXP_AVG].views(slots),
+                    chunks[ChunkKind.EXP_AVG_SQ].views(slots),
+                    steps,
+                    grad_scale,
+                )
         finally:
-            if workspace is not None:
-                manager.free_workspace(workspace, home)
             manager.unpin(chunks.values())
         for slot in slots:
             slot.grad_in_param_slot = False
-        if home is Tier.DEVICE:
-            manager.bind_layout(layout)
+        manager.bind_layout(layout)
+
+    def _step_mixed(self, chunks, slots, step_of, grad_scale, home: Tier) -> None:
+        """fp32 masters: cast gradients to fp32 a workspace at a time, update, write back."""
+        manager = self.manager
+        total = sum(s.numel for s in slots)
+        workspace = manager.allocate_workspace(
+            min(total, WORKSPACE_ELEMENTS), torch.float32, home, {c.id for c in chunks.values()}
+        )
+        try:
+            for batch in _pieces(slots, WORKSPACE_ELEMENTS):
+                batch_slots = [slot for slot, _start, _stop in batch]
+
+                def flat(views, batch=batch):
+                    return [v.view(-1)[a:b] for v, (_s, a, b) in zip(views, batch, strict=True)]
+
+                sizes = [stop - start for _slot, start, stop in batch]
+                grads = list(torch.split(workspace[: sum(sizes)], sizes))
+                torch._foreach_copy_(grads, flat([manager.grad_view(s) for s in batch_slots]))
+                self._account_stream(batch, home, gradients=True)
+                masters = flat([chunks[ChunkKind.MASTER].view(s) for s in batch_slots])
+                self._update(
+                    batch_slots,
+                    masters,
+                    grads,
+                    flat([chunks[ChunkKind.EXP_AVG].view(s) for s in batch_slots]),
+                    flat([chunks[ChunkKind.EXP_AVG_SQ].view(s) for s in batch_slots]),
+                    [step_of[id(s)] for s in batch_slots],
+                    grad_scale,
+                )
+                torch._foreach_copy_(
+                    flat([chunks[ChunkKind.PARAM].view(s) for s in batch_slots]), masters
+                )
+                self._account_stream(batch, home, gradients=False)
+        finally:
+            manager.free_workspace(workspace, home)
+
+    def _account_stream(self, batch, home: Tier, gradients: bool) -> None:
+        """Bytes crossing tiers: gradients read into the home tier, or values written back."""
+        by_chunk: dict[int, list] = {}
+        for slot, start, stop in batch:
+            chunks = slot.layout.chunks
+            in_param = not gradients or slot.grad_in_param_slot
+            chunk = chunks[ChunkKind.PARAM] if in_param else chunks[ChunkKind.GRAD]
+            entry = by_chunk.setdefault(chunk.id, [chunk, 0])
+            entry[1] += (stop - start) * chunk.dtype.itemsize
+        for chunk, nbytes in by_chunk.values():
+            if gradients:
+                self.manager.transfer(chunk, chunk.tier, home, nbytes, "step gradients")
+            else:
+                self.manager.transfer(chunk, home, chunk.tier, nbytes, "step values")
+
+    def _update(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
+        """One fused call per parameter group over aligned lists (slots may repeat: pieces)."""
+        by_group: dict[int, list[int]] = {}
+        for position, slot in enumerate(slots):
+            by_group.setdefault(self.group_of[id(slot.param)], []).append(position)
+        for group_index, positions in by_group.items():
+            self._fused(
+                group_index, positions, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale
+            )
 
     def _fused(
         self, group_index, positions, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale
@@ -177,23 +224,43 @@ class ChunkAdam:
                 continue
             manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
             chunks = manager.step_chunks(layout)
+            param_chunk, master = chunks[ChunkKind.PARAM], chunks[ChunkKind.MASTER]
             try:
-                torch._foreach_copy_(
-                    [chunks[ChunkKind.PARAM].view(s) for s in slots],
-                    [chunks[ChunkKind.MASTER].view(s) for s in slots],
-                )
+                torch._foreach_copy_(param_chunk.views(slots), master.views(slots))
+                nbytes = sum(s.numel for s in slots) * param_chunk.dtype.itemsize
+                manager.transfer(param_chunk, master.tier, param_chunk.tier, nbytes, "restore")
             finally:
                 manager.unpin(chunks.values())
             for slot in slots:
                 slot.grad_in_param_slot = False
-            if manager.optimizer_homes[layout.index] is Tier.DEVICE:  # type: ignore[index]
-                manager.bind_layout(layout)
+            manager.bind_layout(layout)
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "param_groups": [dict(g) for g in self.param_groups],
             "steps": {slot.name: float(t) for slot, t in self.step_counts.items()},
         }
+
+
+def _pieces(slots: Sequence[TensorSlot], limit: int) -> list[list[tuple[TensorSlot, int, int]]]:
+    """Flat ranges ``(slot, start, stop)`` covering ``slots`` in batches of at most ``limit``
+    elements; a slot larger than ``limit`` is cut (Adam is elementwise, so any cut is exact)."""
+    batches: list[list[tuple[TensorSlot, int, int]]] = []
+    current: list[tuple[TensorSlot, int, int]] = []
+    size = 0
+    for slot in slots:
+        start = 0
+        while start < slot.numel:
+            take = min(slot.numel - start, limit - size)
+            current.append((slot, start, start + take))
+            size += take
+            start += take
+            if size == limit:
+                batches.append(current)
+                current, size = [], 0
+    if current:
+        batches.append(current)
+    return batches
 
 
 def global_grad_norm(manager: ChunkManager) -> float:

@@ -204,6 +204,9 @@ def simulate_traffic(
                 if tier is Tier.DEVICE:
                     tick += 1
                     last_access[chunk] = tick
+            if trace.streamed:
+                to_device += trace.streamed[index][0]
+                to_host += trace.streamed[index][1]
             for chunk in trace.freed[index] if trace.freed else ():
                 resident_set.discard(chunk)
                 dead.add(chunk)

@@ -53,6 +53,8 @@ class Trace:
     moments: list[Moment] = field(default_factory=list)
     accesses: list[dict[int, Tier]] = field(default_factory=list)  # chunk id -> tier needed
     freed: list[set[int]] = field(default_factory=list)  # chunks whose content died here
+    # Bytes streamed at a moment without moving a chunk (to the device, to the host).
+    streamed: list[tuple[int, int]] = field(default_factory=list)
     nonmodel_peak: list[int] = field(default_factory=list)  # until the next moment
     _device_uses: dict[int, list[int]] = field(default_factory=dict)
     max_nonmodel: int = 0
@@ -132,6 +134,7 @@ class Tracer:
         self.observed.moments.append(moment)
         self.observed.accesses.append({})
         self.observed.freed.append(set())
+        self.observed.streamed.append((0, 0))
         self.observed.nonmodel_peak.append(nonmodel_now)
         if self.replay is not None and not self._matches(self.replay):
             self.replay = self._find_matching()
@@ -145,6 +148,15 @@ class Tracer:
             # DEVICE wins: a chunk needed on the device at this moment must be there.
             if accessed.get(chunk_id) is not Tier.DEVICE:
                 accessed[chunk_id] = tier
+
+    def on_stream(self, nbytes: int, to: Tier) -> None:
+        if self.index >= 0:
+            to_device, to_host = self.observed.streamed[self.index]
+            if to is Tier.DEVICE:
+                to_device += nbytes
+            else:
+                to_host += nbytes
+            self.observed.streamed[self.index] = (to_device, to_host)
 
     def on_free(self, chunk_id: int) -> None:
         if self.index >= 0:
@@ -167,6 +179,7 @@ class Tracer:
             ]
             replayed.accesses = observed.accesses
             replayed.freed = observed.freed
+            replayed.streamed = observed.streamed
             replayed.finalize()
         elif len(observed):
             observed.finalize()
