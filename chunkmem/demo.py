@@ -56,7 +56,7 @@ def sample(engine: chunkmem.Engine, prompt: bytes, length: int, block: int) -> s
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--precision", choices=sorted(STATE_BYTES_PER_PARAM), default="fp32")
     parser.add_argument(
         "--device-fraction",
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = engine(x, y)
         engine.backward(loss)
         engine.step()
-        if step == 1 or step % 25 == 0 or step == args.steps:
+        if step == 1 or step % 50 == 0 or step == args.steps:
             elapsed = time.perf_counter() - started
             moved = engine.ledger.bytes_moved(step - 1)
             print(
