@@ -59,23 +59,27 @@ class OptimizerConfig(_Section):
     """Adam/AdamW hyper-parameters; used when ``initialize`` is not given a torch optimizer."""
 
     type: Literal["adam", "adamw"] = Field("adamw", description="adamw decouples weight decay.")
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, description="Learning rate (schedulers may change it per step).")
     # strict=False on sequences: JSON has no tuples, so a list must be accepted.
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), strict=False
+        (0.9, 0.999), strict=False, description="Decay rates of the first and second moments."
     )
-    eps: float = Field(1e-8, gt=0)
-    weight_decay: float = Field(0.01, ge=0)
+    eps: float = Field(1e-8, gt=0, description="Added to the denominator for stability.")
+    weight_decay: float = Field(
+        0.01, ge=0, description="L2 penalty (adam) or decoupled decay (adamw)."
+    )
 
 
 class LossScaleConfig(_Section):
     """Dynamic loss scaling for fp16: an overflow skips the step and lowers the scale."""
 
-    initial_scale: float = Field(2.0**16, gt=0)
-    growth_factor: float = Field(2.0, gt=1)
-    backoff_factor: float = Field(0.5, gt=0, lt=1)
+    initial_scale: float = Field(2.0**16, gt=0, description="Loss scale of the first step.")
+    growth_factor: float = Field(2.0, gt=1, description="Scale multiplier after a good run.")
+    backoff_factor: float = Field(
+        0.5, gt=0, lt=1, description="Scale multiplier after an overflow."
+    )
     growth_interval: int = Field(1000, ge=1, description="Overflow-free steps before growing.")
-    min_scale: float = Field(1.0, gt=0)
+    min_scale: float = Field(1.0, gt=0, description="The scale never backs off below this.")
 
 
 class DeviceConfig(_Section):
@@ -169,7 +173,12 @@ class Config(_Section):
         description="Compute precision of parameters. bf16/fp16 keep fp32 master weights in "
         "chunks and let gradients reuse the 16-bit parameter slot.",
     )
-    gradient_accumulation_steps: int = Field(1, ge=1)
+    gradient_accumulation_steps: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per optimizer step; engine.backward divides the loss by it "
+        "and gradients accumulate in chunks until the step.",
+    )
     gradient_clipping: float = Field(
         0.0, ge=0, description="Max global L2 norm of all gradients; 0 disables clipping."
     )
@@ -247,3 +256,4 @@ def _describe(exc: ValidationError) -> str:
                 f"config key {key!r}: {error['msg']} (got {value!r} of type {type(value).__name__})"
             )
     return "invalid chunkmem config:\n  " + "\n  ".join(lines)
+

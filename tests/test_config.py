@@ -58,3 +58,14 @@ def test_missing_or_broken_json_file(tmp_path) -> None:
     broken.write_text("{precision: bf16}")
     with pytest.raises(ConfigError, match="not valid JSON"):
         Config.from_json(broken)
+
+
+def test_docs_config_reference_is_current() -> None:
+    from pathlib import Path
+
+    from chunkmem.config_reference import reference_markdown
+
+    path = Path(__file__).parent.parent / "docs" / "config.md"
+    assert path.read_text() == reference_markdown(), (
+        "docs/config.md is stale: run `python -m chunkmem.config_reference > docs/config.md`"
+    )
