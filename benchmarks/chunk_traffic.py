@@ -53,7 +53,7 @@ def run(
     if policy == "belady":
         trace = engine.tracer.traces_for(next(iter(engine.tracer._traces)))[-1]
         nbytes = {c.id: c.nbytes for c in engine.manager.chunks.values()}
-        static = engine.manager.static_device_bytes()
+        static = engine.manager.residency.static_device_bytes()
         budgets = [capacity - static - peak for peak in trace.nonmodel_peak]
         for offline in ("belady", "lru"):
             replay = simulate_traffic(trace, nbytes, budgets, offline)

@@ -17,6 +17,8 @@ from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
 from chunkmem.packing import ChunkSizeChoice, padding_for, search_chunk_size
 from chunkmem.placement import Placement
+from chunkmem.residency import Residency
+from chunkmem.sharding import Sharding
 from chunkmem.tracer import Tracer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,6 +59,7 @@ def initialize(
     separate_grads = not mixed or config.gradient_accumulation_steps > 1
     _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
 
+    sharding = Sharding()
     ledger = Ledger(capacity, config.host.capacity, config.report.max_move_events)
     tracer = Tracer()
     placement = Placement(
@@ -66,15 +69,13 @@ def initialize(
         capacity,
     )
     manager = ChunkManager(
-        device,
-        ledger,
-        tracer,
-        placement,
+        Residency(device, ledger, tracer, placement),
         compute_dtype,
         choice.size,
         keep_fp32_master=mixed,
         grads_in_param_slot=not separate_grads,
         optimizer_states_mode=config.placement.optimizer_states,
+        sharding=sharding,
     )
     manager.register(named)
     _move_buffers(model, device.torch_device)
@@ -82,7 +83,7 @@ def initialize(
     unit = config.placement.unit_elements
     hooks.attach(model, choice.size if unit == "chunk" else unit)
     grad_handles = [p.register_post_accumulate_grad_hook(manager.store_grad) for p in trainable]
-    activations = ActivationCounter(device.meter, manager)
+    activations = ActivationCounter(device.meter, manager.residency)
     adam = ChunkAdam(manager, param_groups, group_of, decoupled)
     return Engine(model, config, manager, hooks, activations, adam, choice, grad_handles)
 

@@ -18,14 +18,20 @@ from chunkmem.states import MOVABLE_STATES, TensorState, check_transition
 class ChunkKind(FastHashEnum):
     """What a chunk holds; the ledger accounts bytes per kind."""
 
-    PARAM = "param"  # compute copy of parameters (fp32, bf16 or fp16)
-    GRAD = "grad"  # gradients, when they cannot reuse the parameter slot
+    PARAM = "param"  # this process's copy of the parameters (all of them, or its shard)
+    GRAD = "grad"  # gradients of the whole layout, when they cannot reuse the parameter slot
+    GRAD_SHARD = "grad_shard"  # this rank's reduced gradient shard (ZeRO)
+    GATHERED = "gathered"  # a layout's parameters all-gathered for compute (ZeRO-3)
     MASTER = "master"  # fp32 master parameters (bf16/fp16 training only)
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
 
 
 OPTIMIZER_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+# Placed on the fly by the placement policy; optimizer states have a fixed home instead.
+DYNAMIC_KINDS = frozenset(
+    {ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.GRAD_SHARD, ChunkKind.GATHERED}
+)
 
 
 class Tier(FastHashEnum):
@@ -49,6 +55,7 @@ class TensorSlot:
     grad_in_param_slot: bool = False  # the 16-bit slot holds this iteration's gradient
     needs_grad_chunk: bool = False  # learned: the slot cannot be reused for this parameter
     grad_contributions: int = 0  # gradient contributions stored since the last step
+    grad_reduced: int = 0  # of those, how many are already reduce-scattered (ZeRO)
     bound: bool = False  # ``param.data`` is its view in the device chunk
     layout: ChunkLayout | None = field(default=None, repr=False)
 
@@ -93,13 +100,27 @@ class ChunkLayout:
 
 
 class Chunk:
-    """A flat buffer of one kind and dtype following a layout; it is on one tier at a time."""
+    """A flat buffer of one kind and dtype following a layout; it is on one tier at a time.
 
-    def __init__(self, chunk_id: int, layout: ChunkLayout, kind: ChunkKind, dtype: torch.dtype):
+    It covers elements ``[start, start + numel)`` of its layout: the whole layout, or one
+    rank's shard of it under ZeRO.
+    """
+
+    def __init__(
+        self,
+        chunk_id: int,
+        layout: ChunkLayout,
+        kind: ChunkKind,
+        dtype: torch.dtype,
+        start: int = 0,
+        numel: int | None = None,
+    ):
         self.id = chunk_id
         self.layout = layout
         self.kind = kind
         self.dtype = dtype
+        self.start = start
+        self.numel = layout.capacity if numel is None else numel
         self.tier: Tier | None = None  # None: no payload allocated
         self._payload: torch.Tensor | None = None
         self._views: dict[int, torch.Tensor] = {}
@@ -123,14 +144,14 @@ class Chunk:
 
     @property
     def nbytes(self) -> int:
-        return self.layout.capacity * self.dtype.itemsize
+        return self.numel * self.dtype.itemsize
 
     @property
-    def numel(self) -> int:
-        return self.layout.capacity
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.numel == self.layout.capacity
 
     def view(self, slot: TensorSlot) -> torch.Tensor:
-        """The slot's tensor in this chunk (cached until the payload changes)."""
+        """The slot's tensor in this chunk (cached until the payload changes); whole chunks."""
         view = self._views.get(slot.offset)
         if view is None:
             if self._payload is None:
@@ -147,15 +168,21 @@ class Chunk:
             self._all_views = [self.view(slot) for slot in self.layout.slots]
         return self._all_views
 
-    def used_view(self) -> torch.Tensor:
-        """The filled prefix, without padding."""
-        assert self.payload is not None
-        return self.payload[: self.layout.used]
+    def span(self, slot: TensorSlot, lo: int, hi: int) -> torch.Tensor:
+        """Flat elements ``lo:hi`` of ``slot`` (slot coordinates), which this chunk covers."""
+        if self._payload is None:
+            raise RuntimeError(f"{self!r} has no payload; it must be fetched before use")
+        begin = slot.offset + lo - self.start
+        return self._payload[begin : begin + hi - lo]
 
     def movable(self) -> bool:
-        """Only chunks whose tensors are all in a HOLD state (or FREE) and that no one pins."""
+        """Only chunks whose tensors are all in a HOLD state (or FREE) and that no one pins.
+
+        The tensor states belong to the chunk parameters are bound to (the parameter chunk,
+        or the gathered one under ZeRO-3).
+        """
         if self.pins:
             return False
-        if self.kind is ChunkKind.PARAM:
+        if self.kind is ChunkKind.PARAM or self.kind is ChunkKind.GATHERED:
             return all(slot.state in MOVABLE_STATES for slot in self.layout.slots)
         return True

@@ -256,4 +256,3 @@ def _describe(exc: ValidationError) -> str:
                 f"config key {key!r}: {error['msg']} (got {value!r} of type {type(value).__name__})"
             )
     return "invalid chunkmem config:\n  " + "\n  ".join(lines)
-

@@ -32,7 +32,7 @@ from chunkmem.hooks import (
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
 from chunkmem.manager import ChunkManager
-from chunkmem.optimizer import ChunkAdam, clip_coefficient, global_grad_norm
+from chunkmem.optimizer import ChunkAdam, clip_coefficient
 from chunkmem.packing import ChunkSizeChoice
 from chunkmem.states import TensorState
 from chunkmem.tracer import Tracer
@@ -173,11 +173,14 @@ class Engine:
                 "(it must require grad)"
             )
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
+        final = self.micro_steps + 1 == self.config.gradient_accumulation_steps
         try:
+            self.manager.begin_backward(final_micro_batch=final)
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 (loss * factor if factor != 1.0 else loss).backward()
             self.hooks.finish_backward()
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
+            self.manager.finish_backward()
         except BaseException:
             self._abort()
             raise
@@ -201,6 +204,10 @@ class Engine:
             if self.manager.optimizer_homes is None:
                 peak = max(self.tracer.observed.nonmodel_peak, default=0)
                 self.manager.place_optimizer_states(peak)
+            sharding = self.manager.sharding
+            if sharding.states_sharded:
+                self.manager.reduce_remaining()  # stage 1 reduces here; 2-3 did in backward
+                self.manager.sync_grad_presence()
             found_inf, divisor = self._unscale_and_clip()
             if found_inf:
                 self.optimizer.restore_from_masters()
@@ -220,7 +227,7 @@ class Engine:
         clipping = self.config.gradient_clipping
         if clipping <= 0 and self.config.precision != "fp16":
             return False, 1.0
-        norm = global_grad_norm(self.manager) / scale
+        norm = self.optimizer.grad_norm() / scale
         self.last_grad_norm = norm
         if not math.isfinite(norm):
             if self.config.precision == "fp16":
@@ -233,17 +240,18 @@ class Engine:
 
     def _end_cycle(self) -> None:
         self.manager.clear_grads()
-        self.manager.free_grad_chunks()
+        if self.manager.sharding.params_sharded:
+            self.manager.drop_gathered()
         self.manager.reset_states()
         self.tracer.end_cycle()
         self.ledger.iteration += 1
+        self.manager.sharding.set_tag(self.ledger.iteration)
         self.micro_steps = 0
         self.phase = EnginePhase.IDLE
 
     def _abort(self) -> None:
         self.hooks.reset()
         self.manager.discard_grads()
-        self.manager.free_grad_chunks()
         self.manager.reset_states()
         self.tracer.abandon_cycle()
         self.micro_steps = 0
@@ -254,14 +262,17 @@ class Engine:
         """The model's state dict on the CPU: fp32 values of trainable parameters, buffers.
 
         Keys are those of ``module.state_dict()`` (tied parameters appear under each name).
+        Under ZeRO the shards are gathered, so every rank must call it.
         """
+        values = {
+            layout.index: self.manager.layout_values(layout) for layout in self.manager.layouts
+        }
         state = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            if isinstance(value, torch.nn.Parameter) and self.manager.is_managed(value):
-                slot = self.manager.slot_of(value)
-                state[key] = (
-                    self.manager.values(slot) if slot else value.detach().to("cpu", copy=True)
-                )
+            slot = self.manager.slot_of(value) if isinstance(value, torch.nn.Parameter) else None
+            if slot is not None:
+                flat = values[slot.layout.index][slot.offset : slot.offset + slot.numel]
+                state[key] = flat.view(slot.shape).clone()
             else:
                 state[key] = value.detach().to("cpu", copy=True)
         return state

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from chunkmem.devices import NonModelMeter
 from chunkmem.manager import ChunkManager, ParamToken
+from chunkmem.residency import Residency
 from chunkmem.states import TensorState
 from chunkmem.tracer import Moment, Phase
 
@@ -47,9 +48,9 @@ internal = _Internal()
 class ActivationCounter:
     """Counts bytes of tensors saved for backward, once per storage, while they are alive."""
 
-    def __init__(self, meter: NonModelMeter, manager: ChunkManager) -> None:
+    def __init__(self, meter: NonModelMeter, residency: Residency) -> None:
         self._meter = meter
-        self._manager = manager
+        self._residency = residency
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [references, nbytes]
 
     def hold(self, tensor: torch.Tensor) -> _SavedActivation:
@@ -63,7 +64,7 @@ class ActivationCounter:
         self._meter.add(nbytes)
         # Built before the capacity check: if that raises, the holder's __del__ undoes the count.
         holder = _SavedActivation(tensor, key, self)
-        self._manager.on_nonmodel_growth()
+        self._residency.on_nonmodel_growth()
         return holder
 
     def drop(self, key: int) -> None:
@@ -72,7 +73,7 @@ class ActivationCounter:
         if entry[0] == 0:
             del self._storages[key]
             self._meter.remove(entry[1])
-            self._manager.account_nonmodel()  # never raises: it runs while graphs are freed
+            self._residency.account_nonmodel()  # never raises: it runs while graphs are freed
 
     @property
     def live_bytes(self) -> int:

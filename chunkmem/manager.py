@@ -1,19 +1,23 @@
-"""ChunkManager: which tensor lives in which chunk, where each chunk is, and moving it.
+"""ChunkManager: which parameter lives where in which chunk, and what an access needs.
 
 Parameters are packed lazily, in the order they are first accessed. ``access`` brings the
-chunks of the given parameters to the device, evicting by the placement policy, and binds
-each parameter's ``.data`` to its view in the chunk. A parameter whose chunk is not on the
-device has an empty placeholder as ``.data``, so an access the engine did not arrange fails
-loudly instead of reading stale memory.
+chunks the parameters compute on to the device (through :class:`Residency`) and binds each
+parameter's ``.data`` to its view there. A parameter whose chunk is not on the device has an
+empty placeholder as ``.data``, so an access the engine did not arrange fails loudly instead
+of reading stale memory.
 
-[Note: gradients in the parameter slot] In bf16/fp16 training without gradient
-accumulation a gradient overwrites its parameter's 16-bit slot once autograd has finished
-accumulating it (post-accumulate-grad hook): the fp32 master still holds the value, and the
-step rewrites the slot from it. If anything touches the value again in the same iteration
-(a parameter used again after its gradient was final, re-entrant checkpointing, a
-``detach()``-ed use), ``access`` notices, moves the gradient to a separate gradient chunk,
-restores the value from the master exactly, and remembers that this parameter needs the
-gradient chunk from then on. So reuse is an optimisation that can never change results.
+Under ZeRO (a :class:`Sharding` with stage >= 1) optimizer states cover only this rank's shard
+of each layout, gradients are reduce-scattered into shard chunks, and at stage 3 the parameter
+chunk itself is a shard that is all-gathered into a ``GATHERED`` chunk for compute.
+
+[Note: gradients in the parameter slot] In bf16/fp16 training without gradient accumulation
+(and without ZeRO) a gradient overwrites its parameter's 16-bit slot once autograd has
+finished accumulating it (post-accumulate-grad hook): the fp32 master still holds the value,
+and the step rewrites the slot from it. If anything touches the value again in the same
+iteration (a parameter used again after its gradient was final, re-entrant checkpointing, a
+``detach()``-ed use), the access notices, moves the gradient to a gradient chunk, restores the
+value from the master exactly, and remembers that this parameter needs the gradient chunk from
+then on. So reuse is an optimisation that can never change results.
 """
 
 from __future__ import annotations
@@ -25,16 +29,13 @@ from dataclasses import dataclass
 
 import torch
 
-from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot, Tier
-from chunkmem.devices import ComputeDevice
-from chunkmem.errors import OutOfMemoryError
-from chunkmem.ledger import WORKSPACE, Ledger
+from chunkmem.chunk import DYNAMIC_KINDS, Chunk, ChunkKind, ChunkLayout, TensorSlot, Tier
 from chunkmem.packing import Packer
-from chunkmem.placement import Placement, optimizer_state_device_groups, plan_moment
+from chunkmem.placement import optimizer_state_device_groups
+from chunkmem.residency import Residency
+from chunkmem.sharding import Sharding, Waitable
 from chunkmem.states import HOLD_STATES, TensorState
-from chunkmem.tracer import Moment, Tracer
-
-DYNAMIC_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD)
+from chunkmem.tracer import Moment
 
 
 @dataclass(frozen=True)
@@ -51,53 +52,55 @@ class ParamToken:
 
 
 class ChunkManager:
-    """Registry of tensors in chunks; residency of chunks on the device and host tiers."""
+    """Registry of parameters in chunks; accesses, gradients and optimizer-state chunks."""
 
     def __init__(
         self,
-        device: ComputeDevice,
-        ledger: Ledger,
-        tracer: Tracer,
-        placement: Placement,
+        residency: Residency,
         compute_dtype: torch.dtype,
         chunk_size: int,
         keep_fp32_master: bool,
         grads_in_param_slot: bool,
         optimizer_states_mode: str,
+        sharding: Sharding,
     ) -> None:
-        self.device = device
-        self.ledger = ledger
-        self.tracer = tracer
-        self.placement = placement
+        self.residency = residency
+        residency.listener = self
+        self.device = residency.device
+        self.ledger = residency.ledger
+        self.tracer = residency.tracer
+        self.placement = residency.placement
         self.compute_dtype = compute_dtype
         self.chunk_size = chunk_size
         self.keep_fp32_master = keep_fp32_master
-        self.grads_in_param_slot = grads_in_param_slot
+        self.sharding = sharding
+        self.grads_in_param_slot = grads_in_param_slot and not sharding.states_sharded
         self.optimizer_states_mode = optimizer_states_mode
+        self.compute_kind = ChunkKind.GATHERED if sharding.params_sharded else ChunkKind.PARAM
 
         # Keyed by id(param): a Parameter's __hash__ is a Python call, and these are hot.
         self.slots: dict[int, TensorSlot] = {}
         self.pending: dict[int, tuple[str, torch.nn.Parameter]] = {}  # registered, not packed
         self.layouts: list[ChunkLayout] = []
-        self.chunks: dict[int, Chunk] = {}
-        self._chunk_ids = itertools.count()
-        self._layout_ids = itertools.count()
+        layout_ids = itertools.count()
         self._packers = {
-            trainable: Packer(chunk_size, trainable, lambda: next(self._layout_ids))
+            trainable: Packer(chunk_size, trainable, lambda: next(layout_ids), sharding.world_size)
             for trainable in (True, False)
         }
-        self._device_storage: dict[int, Chunk] = {}  # data_ptr of device payload -> chunk
-        self._resident: dict[int, Chunk] = {}  # dynamic chunks on the device
-        self._resident_bytes = 0
-        self._static_bytes = 0  # optimizer-state chunks on the device
-        self._dynamic_with_payload = 0
         self._slot_offsets: dict[int, list[int]] = {}
-        self._last_access: dict[int, int] = {}
-        self._tick = 0
-        self._transient_pins: list[Chunk] = []
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self.optimizer_homes: dict[int, Tier] | None = None  # layout index -> tier
         self.repaired_grad_slots: list[str] = []
+        # ZeRO gradient reduction within one backward.
+        self._final_micro_batch = True
+        self._stored: dict[int, set[int]] = {}  # layout -> slots that got a gradient
+        self._expected: dict[int, set[int]] = {}  # learned from the previous cycle
+        self._launched: set[int] = set()  # layouts reduce-scattered in this accumulation window
+        self._in_flight: dict[int, tuple[Waitable, torch.Tensor | None]] = {}
+
+    @property
+    def chunks(self) -> dict[int, Chunk]:
+        return self.residency.chunks
 
     # ------------------------------------------------------------------ registration
     def register(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
@@ -116,10 +119,6 @@ class ChunkManager:
     def all_packed(self) -> bool:
         return not self.pending
 
-    def name_of(self, param: torch.nn.Parameter) -> str:
-        slot = self.slots.get(id(param))
-        return slot.name if slot else self.pending[id(param)][0]
-
     def is_managed(self, param: torch.Tensor) -> bool:
         return id(param) in self.slots or id(param) in self.pending
 
@@ -135,86 +134,46 @@ class ChunkManager:
     def _pack(self, param: torch.nn.Parameter, tier: Tier) -> TensorSlot:
         name, _param = self.pending.pop(id(param))
         original = param.detach()
-        packer = self._packers[param.requires_grad]
-        slot, layout, created = packer.place(name, param)
+        slot, layout, created = self._packers[param.requires_grad].place(name, param)
         self.slots[id(param)] = slot
         if created:
-            self.layouts.append(layout)
-            self._new_chunk(layout, ChunkKind.PARAM, self.compute_dtype, tier)
-            if layout.trainable and self.keep_fp32_master:
-                self._new_chunk(layout, ChunkKind.MASTER, torch.float32, Tier.HOST)
+            self._create_layout_chunks(layout, tier)
         chunks = layout.chunks
-        param_chunk = chunks[ChunkKind.PARAM]
-        self._ready(param_chunk)
-        param_chunk.view(slot).copy_(original)
-        if ChunkKind.MASTER in chunks:
-            self._ready(chunks[ChunkKind.MASTER])
-            chunks[ChunkKind.MASTER].view(slot).copy_(original)
+        compute = chunks[self.compute_kind]
+        self.residency.ready(compute)
+        compute.view(slot).copy_(original)
+        for kind in (ChunkKind.PARAM, ChunkKind.MASTER):
+            if kind in chunks and chunks[kind] is not compute:
+                self._copy_owned_part(chunks[kind], slot, original)
         self._slot_offsets[layout.index] = [s.offset for s in layout.slots]
         slot.set_state(TensorState.HOLD)
-        if param_chunk.tier is Tier.DEVICE:
-            self._bind(slot, param_chunk)
+        if compute.tier is Tier.DEVICE:
+            self._bind(slot, compute)
         else:
             self._unbind(slot)
         return slot
 
-    def _new_chunk(
-        self, layout: ChunkLayout, kind: ChunkKind, dtype: torch.dtype, tier: Tier
-    ) -> Chunk:
-        chunk = Chunk(next(self._chunk_ids), layout, kind, dtype)
-        self.chunks[chunk.id] = chunk
-        layout.chunks[kind] = chunk
-        if tier is Tier.DEVICE and kind in DYNAMIC_KINDS:
-            self._make_room(chunk.nbytes, protect=set(), reason="allocate")
-        self._allocate_payload(chunk, tier)
-        return chunk
-
-    def _allocate_payload(self, chunk: Chunk, tier: Tier) -> None:
-        """Give a chunk without payload a zeroed one on ``tier``; no bytes move."""
-        what = f"a {chunk.kind.value} chunk"
-        self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
-        if tier is Tier.DEVICE:
-            payload = self.device.empty(chunk.numel, chunk.dtype).zero_()
+    def _create_layout_chunks(self, layout: ChunkLayout, tier: Tier) -> None:
+        self.layouts.append(layout)
+        shard = self.sharding.shard(layout)
+        if self.sharding.params_sharded:
+            # All ranks hold the same original values, so the first gathered copy is built
+            # locally; the persistent parameter chunk is this rank's shard.
+            self.residency.new_chunk(layout, ChunkKind.GATHERED, self.compute_dtype, Tier.DEVICE)
+            self.residency.new_chunk(layout, ChunkKind.PARAM, self.compute_dtype, tier, shard)
         else:
-            payload = self.device.host_empty(chunk.numel, chunk.dtype).zero_()
-        self._set_payload(chunk, payload, tier)
+            self.residency.new_chunk(layout, ChunkKind.PARAM, self.compute_dtype, tier)
+        if layout.trainable and self.keep_fp32_master:
+            span = shard if self.sharding.states_sharded else None
+            self.residency.new_chunk(layout, ChunkKind.MASTER, torch.float32, Tier.HOST, span)
 
-    def _free_payload(self, chunk: Chunk) -> None:
-        """Drop a chunk's payload: its content is dead (e.g. gradients after the step)."""
-        if chunk.tier is None or chunk.payload is None:
-            return
-        self._ready(chunk)
-        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
-        self._set_payload(chunk, None, None)
-        self.tracer.on_free(chunk.id)
-
-    def _set_payload(self, chunk: Chunk, payload: torch.Tensor | None, tier: Tier | None) -> None:
-        """The one place a payload changes: keeps the device indexes in step."""
-        if chunk.kind in DYNAMIC_KINDS:
-            self._dynamic_with_payload += (payload is not None) - (chunk.payload is not None)
-        if chunk.tier is Tier.DEVICE:
-            del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
-            if chunk.kind in DYNAMIC_KINDS:
-                del self._resident[chunk.id]
-                self._resident_bytes -= chunk.nbytes
-            else:
-                self._static_bytes -= chunk.nbytes
-        chunk.payload, chunk.tier = payload, tier
-        if tier is Tier.DEVICE:
-            self._device_storage[payload.untyped_storage().data_ptr()] = chunk
-            if chunk.kind in DYNAMIC_KINDS:
-                self._resident[chunk.id] = chunk
-                self._resident_bytes += chunk.nbytes
-            else:
-                self._static_bytes += chunk.nbytes
-
-    def free_grad_chunks(self) -> None:
-        """After the step every gradient is consumed; their chunks need no memory until the
-        next backward writes them, and moving dead gradients would waste bandwidth."""
-        for layout in self.layouts:
-            chunk = layout.chunks.get(ChunkKind.GRAD)
-            if chunk is not None:
-                self._free_payload(chunk)
+    def _copy_owned_part(self, chunk: Chunk, slot: TensorSlot, original: torch.Tensor) -> None:
+        """Copy the part of ``original`` that falls in ``chunk``'s span."""
+        lo = max(0, chunk.start - slot.offset)
+        hi = min(slot.numel, chunk.start + chunk.numel - slot.offset)
+        if lo < hi:
+            self.residency.ready(chunk)
+            chunk.span(slot, lo, hi).copy_(original.reshape(-1)[lo:hi])
 
     # ------------------------------------------------------------------ binding
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
@@ -230,225 +189,35 @@ class ChunkManager:
         slot.param.data = self._placeholder(self.compute_dtype)
         slot.bound = False
 
-    def bind_layout(self, layout: ChunkLayout) -> None:
-        """Rebind a layout's parameters after its slots were rewritten on the device."""
-        chunk = layout.chunks[ChunkKind.PARAM]
-        if chunk.tier is Tier.DEVICE:
-            self._bind_arrived(chunk)
+    def chunk_arrived(self, chunk: Chunk) -> None:
+        if chunk.kind is self.compute_kind:
+            for slot in chunk.layout.slots:
+                if not slot.grad_in_param_slot and not slot.bound:
+                    self._bind(slot, chunk)
 
-    def _bind_arrived(self, chunk: Chunk) -> None:
-        for slot in chunk.layout.slots:
-            if not slot.grad_in_param_slot and not slot.bound:
-                self._bind(slot, chunk)
-
-    # ------------------------------------------------------------------ residency
-    def _ready(self, chunk: Chunk) -> None:
-        """Wait for an async copy into the chunk's payload, if one is in flight."""
-        if chunk.pending_event is not None:
-            if chunk.tier is Tier.DEVICE:
-                self.device.wait(chunk.pending_event)
-            else:
-                self.device.wait_host(chunk.pending_event)
-            chunk.pending_event = None
-
-    def _move(self, chunk: Chunk, dst: Tier, reason: str) -> None:
-        src = chunk.tier
-        if src is dst:
-            return
-        assert src is not None and chunk.payload is not None
-        if not chunk.movable():
-            raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
-        if dst is Tier.HOST:
-            self._make_host_room(chunk.nbytes, protect={chunk.id})
-        self.ledger.allocate(
-            dst.value,
-            chunk.kind.value,
-            chunk.nbytes,
-            f"moving {chunk!r} to {dst.value}",
-            f"chunk {chunk.id}",
-        )
-        if chunk.kind is ChunkKind.PARAM and src is Tier.DEVICE:
+    def chunk_leaving(self, chunk: Chunk) -> None:
+        if chunk.kind is self.compute_kind:
             for slot in chunk.layout.slots:
                 self._unbind(slot)
-        if dst is Tier.DEVICE:
-            self._ready(chunk)
-            payload, event = self.device.to_device(chunk.payload)
-        else:
-            payload = self.device.host_empty(chunk.numel, chunk.dtype)
-            event = self.device.to_host(chunk.payload, payload)
-        self.ledger.free(src.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
-        self._set_payload(chunk, payload, dst)
-        chunk.pending_event = event
-        self.ledger.record_move(
-            chunk.id, chunk.kind.value, src.value, dst.value, chunk.nbytes, reason
-        )
-        if chunk.kind is ChunkKind.PARAM and dst is Tier.DEVICE:
-            self._bind_arrived(chunk)
 
-    def _make_host_room(self, nbytes: int, protect: set[int]) -> None:
-        """A limited host is full: send host chunks needed soonest on the device up early."""
-        if self.ledger.would_fit("host", nbytes):
-            return
-        on_host = [
-            c
-            for c in self.chunks.values()
-            if c.tier is Tier.HOST
-            and c.kind in DYNAMIC_KINDS
-            and c.id not in protect
-            and c.movable()
-        ]
-        if self.tracer.replaying:
-            on_host.sort(key=lambda c: self.tracer.next_device_use(c.id))
-        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
-        used = self._resident_bytes
-        for chunk in on_host:
-            if self.ledger.would_fit("host", nbytes):
-                return
-            if used + chunk.nbytes <= budget and self.ledger.would_fit("device", chunk.nbytes):
-                self._move(chunk, Tier.DEVICE, "host pressure")
-                used += chunk.nbytes
+    def fill_gathered(self, chunk: Chunk, protect: set[int]) -> None:
+        """All-gather the layout's parameter shards into its gathered chunk."""
+        shard = chunk.layout.chunks[ChunkKind.PARAM]
+        self.residency.ensure_on_device([shard])
+        self.sharding.all_gather(shard.payload, chunk.payload)
 
-    def _dynamic_on_device(self) -> list[Chunk]:
-        return list(self._resident.values())
-
-    def static_device_bytes(self) -> int:
-        """Device bytes placement cannot move: optimizer states homed there, workspaces."""
-        return self.ledger.device.workspace_bytes + self._static_bytes
-
-    def _rank(self) -> object:
-        return self.placement.rank(self.tracer, lambda c: self._last_access.get(c, -1))
-
-    def _evict_for(self, nbytes: int, limit: int, protect: set[int], reason: str) -> None:
-        """Evict movable dynamic chunks until ``nbytes`` more fit under ``limit`` and capacity."""
-        used = self._resident_bytes
-        if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
-            return
-        candidates = [
-            c.id for c in self._dynamic_on_device() if c.id not in protect and c.movable()
-        ]
-        for victim_id in self._rank()(candidates):  # type: ignore[operator]
-            if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
-                return
-            victim = self.chunks[victim_id]
-            self._move(victim, Tier.HOST, reason)
-            used -= victim.nbytes
-
-    def _make_room(self, nbytes: int, protect: set[int], reason: str) -> None:
-        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
-        self._evict_for(nbytes, budget, protect, reason)
-        if not self.ledger.would_fit("device", nbytes):
-            raise OutOfMemoryError(
-                "device",
-                nbytes,
-                max(0, self.ledger.device.available or 0),
-                f"Nothing more can be evicted at moment {self.ledger.moment_label!r}: "
-                f"{self.ledger.describe('device')}. The chunks in use at one moment plus the "
-                f"non-model memory exceed the device capacity; raise device.capacity, use a "
-                f"smaller chunk.size, or lower the batch size / sequence length.",
-            )
-
-    def _fetch(self, chunk: Chunk, protect: set[int], reason: str) -> None:
-        if chunk.tier is Tier.DEVICE:
-            return
-        self._make_room(chunk.nbytes, protect, reason)
-        if chunk.tier is None:
-            self._allocate_payload(chunk, Tier.DEVICE)
-        else:
-            self._move(chunk, Tier.DEVICE, reason)
-
-    def _touch(self, chunk: Chunk, tier: Tier = Tier.DEVICE) -> None:
-        self._tick += 1
-        self._last_access[chunk.id] = self._tick
-        self.tracer.on_access(chunk.id, tier)
-
-    def ensure_on_device(self, chunks: Sequence[Chunk]) -> None:
-        """Bring ``chunks`` to the device, evicting by the placement plan."""
-        if all(chunk.tier is Tier.DEVICE for chunk in chunks):
-            for chunk in chunks:
-                self._ready(chunk)
-                self._touch(chunk)
-            return
-        protect = {c.id for c in chunks}
-        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
-        resident = {c.id for c in self._dynamic_on_device()}
-        plan = plan_moment(
-            resident,
-            {c.id: Tier.DEVICE for c in chunks},
-            lambda cid: self.chunks[cid].nbytes,
-            budget,
-            lambda cid: self.chunks[cid].movable(),
-            self._rank(),  # type: ignore[arg-type]
-        )
-        for chunk_id in plan.to_host:
-            self._move(self.chunks[chunk_id], Tier.HOST, "evict")
-        for chunk_id in plan.to_device:
-            self._fetch(self.chunks[chunk_id], protect, "fetch")
-        for chunk in chunks:
-            self._ready(chunk)
-            self._touch(chunk)
+    def bind_layout(self, layout: ChunkLayout) -> None:
+        """Rebind a layout's parameters after its slots were rewritten on the device."""
+        chunk = layout.chunks.get(self.compute_kind)
+        if chunk is not None and chunk.tier is Tier.DEVICE:
+            self.chunk_arrived(chunk)
 
     # ------------------------------------------------------------------ moments
     def enter_moment(self, moment: Moment) -> None:
-        """A module's pre-forward / pre-backward or a step: sample, then let go of pins."""
-        self._release_transient_pins()
-        chunk_bytes = self.ledger.device.model_bytes
-        nonmodel = self.device.meter.current(chunk_bytes)
-        index = self.tracer.on_moment(moment, nonmodel)
-        self.ledger.set_nonmodel(nonmodel)
-        self.ledger.sample_moment(index, moment.name)
-        self.device.meter.reset_peak(chunk_bytes)
+        self.residency.enter_moment(moment)
 
     def after_access(self) -> None:
-        """Once a moment's chunks are in: keep within the budget, then prefetch."""
-        all_resident = len(self._resident) == self._dynamic_with_payload
-        lowest = self.placement.lowest_budget(self.tracer, self.static_device_bytes())
-        if all_resident and lowest is not None and self._resident_bytes <= lowest:
-            return  # everything is in and fits at every moment of the trace
-        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
-        self._evict_for(0, budget, protect=set(), reason="evict")
-        if all_resident:
-            return
-        for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
-            chunk = self.chunks.get(chunk_id)
-            if chunk is None or chunk.tier is Tier.DEVICE or chunk.tier is None:
-                continue
-            window_budget = self.placement.chunk_budget(
-                self.tracer, self.static_device_bytes(), moments_ahead=ahead
-            )
-            if self._resident_bytes + chunk.nbytes > window_budget or not self.ledger.would_fit(
-                "device", chunk.nbytes
-            ):
-                break
-            self._move(chunk, Tier.DEVICE, "prefetch")
-
-    def account_nonmodel(self) -> int:
-        """Record the device's current non-model bytes in the ledger and the trace."""
-        nonmodel = self.device.meter.current(self.ledger.device.model_bytes)
-        self.ledger.set_nonmodel(nonmodel)
-        self.tracer.on_nonmodel(nonmodel)
-        return nonmodel
-
-    def on_nonmodel_growth(self) -> None:
-        """Non-model bytes grew: account them and evict chunks if the device is over capacity."""
-        nonmodel = self.account_nonmodel()
-        overflow = self.ledger.overflow("device")
-        if not overflow:
-            return
-        resident = [c.id for c in self._dynamic_on_device() if c.movable()]
-        for victim_id in self._rank()(resident):  # type: ignore[operator]
-            self._move(self.chunks[victim_id], Tier.HOST, "pressure")
-            if not self.ledger.overflow("device"):
-                return
-        raise OutOfMemoryError(
-            "device",
-            self.ledger.device.used,
-            self.ledger.device.capacity or 0,
-            f"Non-model memory ({nonmodel:,} bytes: activations saved for backward and "
-            f"gradients in flight) at moment {self.ledger.moment_label!r} does not fit beside "
-            f"the chunks in use ({self.ledger.describe('device')}). Raise device.capacity, "
-            f"lower the batch size or sequence length, use activation checkpointing, or a "
-            f"smaller chunk.size.",
-        )
+        self.residency.after_access()
 
     # ------------------------------------------------------------------ access / release
     def _slot_for_access(self, param: torch.nn.Parameter) -> TensorSlot:
@@ -459,9 +228,8 @@ class ChunkManager:
             self._repair_grad_slot(slot)
         return slot
 
-    @staticmethod
-    def param_chunk(slot: TensorSlot) -> Chunk:
-        return slot.layout.chunks[ChunkKind.PARAM]
+    def compute_chunk(self, slot: TensorSlot) -> Chunk:
+        return slot.layout.chunks[self.compute_kind]
 
     def access(self, params: Sequence[torch.nn.Parameter]) -> None:
         """Put ``params`` in COMPUTE with their chunks on the device and ``.data`` bound."""
@@ -471,17 +239,18 @@ class ChunkManager:
             if slot is None or slot.grad_in_param_slot:
                 slot = self._slot_for_access(param)
             slots.append(slot)
-        chunks = list(dict.fromkeys(slot.layout.chunks[ChunkKind.PARAM] for slot in slots))
-        self.ensure_on_device(chunks)
+        kind = self.compute_kind
+        self.residency.ensure_on_device(list(dict.fromkeys(s.layout.chunks[kind] for s in slots)))
         for slot in slots:
             slot.users += 1
             if slot.state is not TensorState.COMPUTE:
                 slot.set_state(TensorState.COMPUTE)
             if not slot.bound:
-                self._bind(slot, self.param_chunk(slot))
+                self._bind(slot, self.compute_chunk(slot))
 
     def release(self, params: Sequence[torch.nn.Parameter], state: TensorState) -> None:
         """One user of each of ``params`` is done; the last one moves it to ``state``."""
+        layouts = {}
         for param in params:
             slot = self.slots[id(param)]
             if slot.users == 0:
@@ -489,10 +258,24 @@ class ChunkManager:
             slot.users -= 1
             if slot.users == 0:
                 slot.set_state(state)
+                layouts[slot.layout.index] = slot.layout
+        if self.sharding.params_sharded:
+            for layout in layouts.values():
+                self._maybe_drop_gathered(layout)
+
+    def _maybe_drop_gathered(self, layout: ChunkLayout) -> None:
+        """Release a gathered copy once no one uses it and it is not needed again in this
+        phase (the trace says when): the other ranks' shards are gathered again next phase."""
+        gathered = layout.chunks[ChunkKind.GATHERED]
+        if gathered.tier is not Tier.DEVICE or not gathered.movable():
+            return
+        if self.tracer.replaying and self.tracer.needed_again_this_phase(gathered.id):
+            return
+        self.residency.free_payload(gathered)
 
     def release_all(self, state: TensorState) -> None:
         """End of a phase: whatever is still in COMPUTE goes to ``state``."""
-        self._release_transient_pins()
+        self.residency.release_transient_pins()
         for slot in self.slots.values():
             if slot.state is TensorState.COMPUTE:
                 slot.users = 0
@@ -500,7 +283,7 @@ class ChunkManager:
 
     def reset_states(self) -> None:
         """End of a cycle (or an aborted one): every packed tensor back to HOLD."""
-        self._release_transient_pins()
+        self.residency.release_transient_pins()
         for slot in self.slots.values():
             slot.users = 0
             if slot.state is not TensorState.HOLD:
@@ -508,26 +291,26 @@ class ChunkManager:
                     slot.set_state(TensorState.HOLD_AFTER_BWD)
                 slot.set_state(TensorState.HOLD)
 
+    def drop_gathered(self) -> None:
+        """ZeRO-3: gathered copies are stale once the shards are updated."""
+        for layout in self.layouts:
+            gathered = layout.chunks.get(ChunkKind.GATHERED)
+            if gathered is not None:
+                self.residency.free_payload(gathered)
+
     def materialize(self, param: torch.nn.Parameter) -> None:
         """On-demand access outside module hooks; pinned until the next moment."""
-        slot = self._slot_for_access(param)
-        chunk = self.param_chunk(slot)
-        self.ensure_on_device([chunk])
-        chunk.pins += 1
-        self._transient_pins.append(chunk)
-
-    def _release_transient_pins(self) -> None:
-        for chunk in self._transient_pins:
-            chunk.pins -= 1
-        self._transient_pins.clear()
+        chunk = self.compute_chunk(self._slot_for_access(param))
+        self.residency.ensure_on_device([chunk])
+        self.residency.pin_until_next_moment(chunk)
 
     # ------------------------------------------------------------------ saved tensors
     def token_for(self, tensor: torch.Tensor) -> ParamToken | None:
         """A token if ``tensor`` aliases a parameter chunk on the device, else None."""
         if tensor.layout is not torch.strided or tensor.device != self.device.torch_device:
             return None
-        chunk = self._device_storage.get(tensor.untyped_storage().data_ptr())
-        if chunk is None:
+        chunk = self.residency.chunk_of_storage(tensor)
+        if chunk is None or chunk.kind is not self.compute_kind:
             return None
         return ParamToken(chunk, tensor.storage_offset(), tensor.shape, tensor.stride())
 
@@ -538,22 +321,26 @@ class ChunkManager:
         if slot.grad_in_param_slot:
             self._repair_grad_slot(slot)
         if chunk.tier is not Tier.DEVICE:
-            self.ensure_on_device([chunk])
-        self._ready(chunk)
-        chunk.pins += 1
-        self._transient_pins.append(chunk)
+            self.residency.ensure_on_device([chunk])
+        self.residency.ready(chunk)
+        self.residency.pin_until_next_moment(chunk)
         assert chunk.payload is not None
         return chunk.payload.as_strided(token.size, token.stride, token.storage_offset)
 
     # ------------------------------------------------------------------ gradients
+    def begin_backward(self, final_micro_batch: bool) -> None:
+        """ZeRO reduces gradients only in the last micro-batch of an accumulation window."""
+        self._final_micro_batch = final_micro_batch
+        self._stored = {}
+
     def _grad_home(self, slot: TensorSlot) -> Chunk:
-        layout = slot.layout
-        chunks = layout.chunks
+        chunks = slot.layout.chunks
         if self.grads_in_param_slot and not slot.needs_grad_chunk:
             return chunks[ChunkKind.PARAM]
-        if ChunkKind.GRAD not in chunks:
-            self._new_chunk(layout, ChunkKind.GRAD, self.compute_dtype, Tier.DEVICE)
-        return chunks[ChunkKind.GRAD]
+        grad = chunks.get(ChunkKind.GRAD)
+        if grad is None:
+            grad = self.residency.new_chunk(slot.layout, ChunkKind.GRAD, self.compute_dtype, None)
+        return grad
 
     def store_grad(self, param: torch.nn.Parameter) -> None:
         """Move ``param.grad`` into its chunk (adding to earlier contributions) and free it.
@@ -567,18 +354,19 @@ class ChunkManager:
             return
         param.grad = None
         slot = self.slots[id(param)]
+        residency = self.residency
         meter = self.device.meter
         nbytes = grad.nelement() * grad.element_size()
         meter.add(nbytes)
         try:
-            self.on_nonmodel_growth()
+            residency.on_nonmodel_growth()
             home = self._grad_home(slot)
             if home.tier is Tier.DEVICE and home.pending_event is None:
-                self._touch(home)
+                residency.touch(home)
             else:
-                self.ensure_on_device([home])
+                residency.ensure_on_device([home])
             view = home.view(slot)
-            if slot.grad_contributions:
+            if slot.grad_contributions > slot.grad_reduced:
                 view.add_(grad)
             else:
                 view.copy_(grad)
@@ -589,7 +377,9 @@ class ChunkManager:
         finally:
             del grad
             meter.remove(nbytes)
-            self.account_nonmodel()
+            residency.account_nonmodel()
+        if self.sharding.grads_sharded_in_backward and self._final_micro_batch:
+            self._on_grad_stored(slot)
 
     def _repair_grad_slot(self, slot: TensorSlot) -> None:
         """The value of a parameter whose slot holds its gradient is needed: separate them."""
@@ -598,160 +388,282 @@ class ChunkManager:
         master = chunks[ChunkKind.MASTER]
         slot.needs_grad_chunk = True
         grad_chunk = self._grad_home(slot)
-        self.ensure_on_device([param_chunk, grad_chunk])
-        self._ready(master)
+        self.residency.ensure_on_device([param_chunk, grad_chunk])
+        self.residency.ready(master)
         grad_chunk.view(slot).copy_(param_chunk.view(slot))
         param_chunk.view(slot).copy_(master.view(slot))
         slot.grad_in_param_slot = False
         self._bind(slot, param_chunk)
         self.repaired_grad_slots.append(slot.name)
 
-    def grad_view(self, slot: TensorSlot) -> torch.Tensor:
-        """Where ``slot``'s gradient is now (device or host)."""
+    def grad_source(self, slot: TensorSlot) -> Chunk:
+        """The chunk holding ``slot``'s gradient for the update (for this rank's span)."""
         chunks = slot.layout.chunks
-        home = chunks[ChunkKind.PARAM] if slot.grad_in_param_slot else chunks[ChunkKind.GRAD]
-        self._ready(home)
-        return home.view(slot)
+        if self.sharding.states_sharded:
+            return chunks[ChunkKind.GRAD_SHARD]
+        return chunks[ChunkKind.PARAM] if slot.grad_in_param_slot else chunks[ChunkKind.GRAD]
 
     def grad_views(self, slots: list[TensorSlot]) -> list[torch.Tensor]:
-        """``grad_view`` of each slot of one layout, without a call per slot when they agree."""
+        """Whole-slot gradient views of one unsharded layout (a cached list when they agree)."""
         in_param_slot = [slot.grad_in_param_slot for slot in slots]
         if all(in_param_slot) or not any(in_param_slot):
-            chunks = slots[0].layout.chunks
-            home = chunks[ChunkKind.PARAM] if in_param_slot[0] else chunks[ChunkKind.GRAD]
-            self._ready(home)
+            home = self.grad_source(slots[0])
+            self.residency.ready(home)
             return home.views(slots)
-        return [self.grad_view(slot) for slot in slots]
+        return [self.grad_source(slot).view(slot) for slot in slots]
+
+    # ZeRO: reduce-scatter of gradients ------------------------------------------------
+    def _reduction_order(self) -> list[ChunkLayout]:
+        """Every rank reduces the trainable layouts in this one order (last packed first, the
+        order backward finishes them), so collectives always match across ranks."""
+        return list(reversed(self.trainable_layouts()))
+
+    def _on_grad_stored(self, slot: TensorSlot) -> None:
+        """Stage 2/3: launch reduce-scatters for the longest run, in reduction order, of
+        layouts whose expected gradients are all in (the overlap with backward)."""
+        stored = self._stored.setdefault(slot.layout.index, set())
+        stored.add(id(slot))
+        if not self._expected:
+            return  # the first cycle learns what to expect; it reduces after backward
+        for layout in self._reduction_order():
+            if layout.index in self._launched:
+                continue
+            expected = self._expected.get(layout.index, set())
+            if not expected <= self._stored.get(layout.index, set()):
+                return
+            self._reduce(layout, async_op=True)
+
+    def _reduce(self, layout: ChunkLayout, async_op: bool) -> None:
+        """Reduce-scatter the layout's gradient chunk into this rank's gradient shard."""
+        chunks = layout.chunks
+        grad = chunks[ChunkKind.GRAD]
+        shard = chunks.get(ChunkKind.GRAD_SHARD)
+        if shard is None:
+            span = self.sharding.shard(layout)
+            shard = self.residency.new_chunk(layout, ChunkKind.GRAD_SHARD, grad.dtype, None, span)
+        self.residency.ensure_on_device([grad])
+        first = shard.tier is None
+        self.residency.ensure_on_device([shard])
+        target = shard.payload
+        late = None
+        if not first:  # gradients arrived after an earlier reduction: reduce them and add
+            late = self.residency.allocate_workspace(shard.numel, shard.dtype, Tier.DEVICE, set())
+            target = late
+        grad.pins += 1
+        shard.pins += 1
+        handle = self.sharding.reduce_scatter(grad.payload, target, async_op)
+        for slot in layout.slots:
+            slot.grad_reduced = slot.grad_contributions
+        self._launched.add(layout.index)
+        self._in_flight[layout.index] = (handle, late)
+        if not async_op:
+            self._complete(layout)
+
+    def _complete(self, layout: ChunkLayout) -> None:
+        handle, late = self._in_flight.pop(layout.index)
+        handle.wait()
+        chunks = layout.chunks
+        grad, shard = chunks[ChunkKind.GRAD], chunks[ChunkKind.GRAD_SHARD]
+        grad.pins -= 1
+        shard.pins -= 1
+        if late is not None:
+            shard.payload.add_(late)
+            self.residency.free_workspace(late, Tier.DEVICE)
+        self.residency.free_payload(grad)  # reduced: this rank keeps only its shard
+
+    def finish_backward(self) -> None:
+        """Stage 2/3: reduce what is left, wait for everything, learn what to expect."""
+        if not (self.sharding.grads_sharded_in_backward and self._final_micro_batch):
+            return
+        self.reduce_remaining()
+        self._expected = {index: set(stored) for index, stored in self._stored.items()}
+
+    def reduce_remaining(self) -> None:
+        """Reduce every trainable layout not reduced yet, in reduction order, then wait.
+
+        All of them, with gradients or not, on every rank: a rank that skipped a layout its
+        peers reduce would leave them waiting. Gradients that arrived after their layout was
+        reduced are reduced again and added.
+        """
+        for layout in self._reduction_order():
+            grad = layout.chunks.get(ChunkKind.GRAD)
+            late = grad is not None and grad.tier is not None and layout.index in self._launched
+            if layout.index not in self._launched or late:
+                if grad is None:
+                    grad = self.residency.new_chunk(
+                        layout, ChunkKind.GRAD, self.compute_dtype, None
+                    )
+                self._reduce(layout, async_op=True)
+        for layout in self._reduction_order():
+            if layout.index in self._in_flight:
+                self._complete(layout)
+        self._launched.clear()
+
+    def sync_grad_presence(self) -> None:
+        """ZeRO: a parameter has a gradient if any rank produced one (as on the global batch)."""
+        slots = list(self.slots.values())
+        present = torch.tensor([float(s.has_grad) for s in slots], dtype=torch.float32)
+        self.sharding.all_reduce_sum(present)
+        for slot, count in zip(slots, present.tolist(), strict=True):
+            if count and not slot.grad_contributions:
+                slot.grad_contributions = 1  # its shard holds the other ranks' gradients
 
     def discard_grads(self) -> None:
         """Drop this cycle's gradients; slots that held one get their value from the master."""
+        for index in list(self._in_flight):
+            handle, late = self._in_flight.pop(index)
+            handle.wait()
+            if late is not None:
+                self.residency.free_workspace(late, Tier.DEVICE)
+        self._launched.clear()
         for slot in self.slots.values():
             if not slot.grad_in_param_slot:
                 continue
             chunks = slot.layout.chunks
             param_chunk, master = chunks[ChunkKind.PARAM], chunks[ChunkKind.MASTER]
-            self._ready(param_chunk)
-            self._ready(master)
+            self.residency.ready(param_chunk)
+            self.residency.ready(master)
             param_chunk.view(slot).copy_(master.view(slot))
-            if param_chunk.tier is not master.tier:
-                self.ledger.record_move(
-                    master.id,
-                    master.kind.value,
-                    master.tier.value,
-                    param_chunk.tier.value,
-                    slot.numel * master.dtype.itemsize,
-                    "restore",
-                )
+            self.residency.transfer(
+                param_chunk, master.tier, param_chunk.tier, slot.numel * 2, "restore"
+            )
             slot.grad_in_param_slot = False
             if param_chunk.tier is Tier.DEVICE:
                 self._bind(slot, param_chunk)
         self.clear_grads()
 
     def clear_grads(self) -> None:
+        """After the step every gradient is consumed: their chunks need no memory until the
+        next backward writes them, and moving dead gradients would waste bandwidth."""
         for slot in self.slots.values():
             slot.grad_contributions = 0
+            slot.grad_reduced = 0
             slot.grad_in_param_slot = False
+        for chunk in list(self.chunks.values()):
+            if chunk.kind is ChunkKind.GRAD or chunk.kind is ChunkKind.GRAD_SHARD:
+                self.residency.free_payload(chunk)
+        self._launched.clear()
 
     # ------------------------------------------------------------------ optimizer states
     def trainable_layouts(self) -> list[ChunkLayout]:
         return [layout for layout in self.layouts if layout.trainable]
 
+    def state_span(self, layout: ChunkLayout) -> tuple[int, int]:
+        """(start, numel) of the layout's elements whose optimizer states this rank holds."""
+        if self.sharding.states_sharded:
+            return self.sharding.shard(layout)
+        return 0, layout.capacity
+
     def place_optimizer_states(self, peak_nonmodel: int) -> None:
-        """Choose each trainable layout's optimizer-state home and allocate its chunks."""
+        """Choose each trainable layout's optimizer-state home and allocate its chunks.
+
+        The device margin left beside the non-model peak and the dynamically placed chunks
+        (parameters and gradients; for ZeRO, the shards plus room for two whole chunks in
+        flight) takes whole groups in order; the rest stay on the host.
+        """
         layouts = self.trainable_layouts()
         per_element = 8 + (4 if self.keep_fp32_master else 0)
-        dynamic = sum(c.nbytes for c in self.chunks.values() if c.kind in DYNAMIC_KINDS)
+        transient = (
+            (ChunkKind.GATHERED, ChunkKind.GRAD) if self.sharding.grads_sharded_in_backward else ()
+        )
+        dynamic = sum(
+            c.nbytes
+            for c in self.chunks.values()
+            if c.kind in DYNAMIC_KINDS and c.kind not in transient
+        )
+        if transient:
+            dynamic += (
+                2 * max(layout.capacity for layout in self.layouts) * self.compute_dtype.itemsize
+            )
         on_device = optimizer_state_device_groups(
             self.placement.capacity,
             peak_nonmodel,
             dynamic,
-            [layout.capacity * per_element for layout in layouts],
+            [self.state_span(layout)[1] * per_element for layout in layouts],
             self.optimizer_states_mode,
         )
         self.optimizer_homes = {}
         for position, layout in enumerate(layouts):
             home = Tier.DEVICE if position < on_device else Tier.HOST
             self.optimizer_homes[layout.index] = home
-            chunks = layout.chunks
-            if ChunkKind.MASTER in chunks and home is Tier.DEVICE:
-                self._make_room(chunks[ChunkKind.MASTER].nbytes, set(), "optimizer home")
-                self._move(chunks[ChunkKind.MASTER], Tier.DEVICE, "optimizer home")
+            master = layout.chunks.get(ChunkKind.MASTER)
+            if master is not None and home is Tier.DEVICE:
+                self.residency.make_room(master.nbytes, set(), "optimizer home")
+                self.residency.move(master, Tier.DEVICE, "optimizer home")
             for kind in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
-                self._new_optimizer_chunk(layout, kind, home)
-
-    def _new_optimizer_chunk(self, layout: ChunkLayout, kind: ChunkKind, home: Tier) -> None:
-        if home is Tier.DEVICE:
-            size = layout.capacity * torch.float32.itemsize
-            self._make_room(size, set(), "optimizer home")
-        self._new_chunk(layout, kind, torch.float32, home)
+                span = self.state_span(layout)
+                if home is Tier.DEVICE:
+                    self.residency.make_room(span[1] * 4, set(), "optimizer home")
+                self.residency.new_chunk(layout, kind, torch.float32, home, span)
 
     def step_chunks(self, layout: ChunkLayout) -> dict[ChunkKind, Chunk]:
         """Prepare a layout's chunks for its update at the optimizer home, and pin them all.
 
         A device home needs the parameter and gradient chunks on the device. A host home with
         fp32 masters leaves them where they are: gradients stream to the host and updated
-        16-bit values stream back (:meth:`transfer`), so a chunk on the device stays there for
-        the next forward. fp32 training has no master: its parameter chunk is what the host
-        updates, so it and the gradients come to the host.
+        16-bit values stream back, so a chunk on the device stays there for the next forward.
+        fp32 training has no master: its parameter chunk is what the host updates, so it and
+        the gradients come to the host.
         """
         assert self.optimizer_homes is not None
         home = self.optimizer_homes[layout.index]
         chunks = layout.chunks
-        dynamic = [chunks[k] for k in DYNAMIC_KINDS if k in chunks]
+        storage = [
+            chunks[k]
+            for k in (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.GRAD_SHARD)
+            if k in chunks and chunks[k].tier is not None
+        ]
         if home is Tier.DEVICE:
-            for chunk in dynamic:
-                self._touch(chunk, home)
-            self.ensure_on_device(dynamic)
+            for chunk in storage:
+                self.residency.touch(chunk, home)
+            self.residency.ensure_on_device(storage)
         elif ChunkKind.MASTER not in chunks:
-            for chunk in dynamic:
-                self._touch(chunk, home)
-                self._move(chunk, Tier.HOST, "step")
-        for chunk in chunks.values():
-            self._ready(chunk)
+            for chunk in storage:
+                self.residency.touch(chunk, home)
+                self.residency.move(chunk, Tier.HOST, "step")
+        pinned = {k: c for k, c in chunks.items() if c.tier is not None}
+        for chunk in pinned.values():
+            self.residency.ready(chunk)
             chunk.pins += 1
-        return chunks
-
-    def transfer(self, chunk: Chunk, src: Tier, dst: Tier, nbytes: int, reason: str) -> None:
-        """Account part of ``chunk`` copied between tiers without moving the chunk (the step's
-        streamed gradients and values)."""
-        if src is dst:
-            return
-        self.ledger.record_move(chunk.id, chunk.kind.value, src.value, dst.value, nbytes, reason)
-        self.tracer.on_stream(nbytes, dst)
+        return pinned
 
     def unpin(self, chunks: Iterable[Chunk]) -> None:
         for chunk in chunks:
             chunk.pins -= 1
 
-    def allocate_workspace(
-        self, numel: int, dtype: torch.dtype, tier: Tier, protect: set[int]
-    ) -> torch.Tensor:
-        nbytes = numel * dtype.itemsize
-        if tier is Tier.DEVICE:
-            self._make_room(nbytes, protect, "workspace")
-            self.ledger.allocate("device", WORKSPACE, nbytes, "a step workspace", WORKSPACE)
-            return self.device.empty(numel, dtype)
-        self._make_host_room(nbytes, protect)
-        self.ledger.allocate("host", WORKSPACE, nbytes, "a step workspace", WORKSPACE)
-        return self.device.host_empty(numel, dtype)
-
-    def free_workspace(self, buffer: torch.Tensor, tier: Tier) -> None:
-        self.ledger.free(tier.value, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
+    def gather_updated_params(self, layout: ChunkLayout) -> None:
+        """Stages 1-2: every rank updated its shard of the parameters; all-gather the rest."""
+        param = layout.chunks[ChunkKind.PARAM]
+        self.residency.ensure_on_device([param])
+        start, numel = self.sharding.shard(layout)
+        staging = self.residency.allocate_workspace(numel, param.dtype, Tier.DEVICE, {param.id})
+        try:
+            staging.copy_(param.payload[start : start + numel])
+            param.pins += 1
+            self.sharding.all_gather(staging, param.payload)
+        finally:
+            param.pins -= 1
+            self.residency.free_workspace(staging, Tier.DEVICE)
 
     # ------------------------------------------------------------------ reading values
-    def values(self, slot: TensorSlot, prefer_master: bool = True) -> torch.Tensor:
-        """A CPU copy of a parameter's current value (fp32 master when there is one)."""
-        chunks = slot.layout.chunks
-        source = chunks.get(ChunkKind.MASTER) if prefer_master else None
-        if source is None:
-            source = chunks[ChunkKind.PARAM]
-            if slot.grad_in_param_slot:
-                raise RuntimeError(
-                    f"{slot.name!r} holds its gradient until the optimizer step; read values "
-                    f"between steps"
-                )
-        self._ready(source)
-        return source.view(slot).detach().to("cpu", copy=True)
+    def layout_values(self, layout: ChunkLayout) -> torch.Tensor:
+        """The layout's current values as one CPU tensor (fp32 masters when there are any).
+
+        Under ZeRO this gathers the shards: every rank must call it.
+        """
+        chunks = layout.chunks
+        source = chunks.get(ChunkKind.MASTER) or chunks[ChunkKind.PARAM]
+        self.residency.ready(source)
+        if any(s.grad_in_param_slot for s in layout.slots) and source.kind is ChunkKind.PARAM:
+            raise RuntimeError(
+                "parameters hold their gradients until the optimizer step; read values between steps"
+            )
+        payload = source.payload.to(self.device.torch_device)
+        if source.is_whole:
+            return payload.to("cpu", copy=True)
+        full = torch.empty(layout.capacity, dtype=source.dtype, device=self.device.torch_device)
+        self.sharding.all_gather(payload, full)
+        return full.cpu()
 
     def states_hold(self) -> bool:
         return all(slot.state in HOLD_STATES for slot in self.slots.values())

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from chunkmem.chunk import ChunkKind, ChunkLayout, TensorSlot, Tier
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot, Tier
 from chunkmem.errors import ConfigError
 from chunkmem.manager import ChunkManager
 from chunkmem.tracer import Moment, Phase
@@ -65,7 +65,13 @@ def groups_from_torch_optimizer(
 
 
 class ChunkAdam:
-    """Adam/AdamW whose parameters, masters and moments live in chunks."""
+    """Adam/AdamW whose parameters, masters and moments live in chunks.
+
+    Each layout updates the elements whose optimizer states this rank holds (all of them, or
+    its ZeRO shard), as flat pieces of the slots that intersect that span. Gradients are
+    divided by ``grad_divisor`` (loss scale over clip coefficient) and, under ZeRO, by the
+    world size: the reduce-scatter sums, the update averages.
+    """
 
     def __init__(
         self,
@@ -89,21 +95,25 @@ class ChunkAdam:
         return counter
 
     def step(self, grad_divisor: float) -> None:
-        """Update every parameter that has a gradient; gradients are divided by ``grad_divisor``."""
-        for layout in self.manager.trainable_layouts():
-            slots = [s for s in layout.slots if s.has_grad]
-            if slots:
-                self._step_layout(layout, slots, grad_divisor)
+        """Update every parameter that has a gradient (then, for ZeRO 1-2, gather them)."""
+        manager = self.manager
+        sharding = manager.sharding
+        divisor = grad_divisor * sharding.world_size
+        for layout in manager.trainable_layouts():
+            pieces = owned_pieces(layout, manager.state_span(layout))
+            if pieces:
+                self._step_layout(layout, pieces, divisor)
+            if sharding.states_sharded and not sharding.params_sharded:
+                manager.gather_updated_params(layout)
 
-    def _step_layout(
-        self, layout: ChunkLayout, slots: Sequence[TensorSlot], divisor: float
-    ) -> None:
+    def _step_layout(self, layout: ChunkLayout, pieces: list[Piece], divisor: float) -> None:
         manager = self.manager
         manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
         chunks = manager.step_chunks(layout)
         home = manager.optimizer_homes[layout.index]  # type: ignore[index]
         try:
             device = chunks[ChunkKind.EXP_AVG].payload.device  # type: ignore[union-attr]
+            slots = list(dict.fromkeys(slot for slot, _lo, _hi in pieces))
             steps = [self._step_tensor(s, device) for s in slots]
             torch._foreach_add_(steps, 1)
             step_of = dict(zip(map(id, slots), steps, strict=True))
@@ -113,9 +123,12 @@ class ChunkAdam:
                 else torch.tensor(divisor, dtype=torch.float32, device=device)
             )
             if ChunkKind.MASTER in chunks:
-                self._step_mixed(chunks, slots, step_of, grad_scale, home)
-            else:
-                self._update(
+                self._step_mixed(chunks, pieces, step_of, grad_scale, home)
+            elif (
+                all(hi - lo == s.numel for s, lo, hi in pieces)
+                and chunks[ChunkKind.EXP_AVG].is_whole
+            ):
+                self._update(  # whole slots of whole chunks: cached views, no slicing
                     slots,
                     chunks[ChunkKind.PARAM].views(slots),
                     manager.grad_views(slots),
@@ -124,61 +137,68 @@ class ChunkAdam:
                     steps,
                     grad_scale,
                 )
+            else:
+                self._update(
+                    [slot for slot, _lo, _hi in pieces],
+                    spans(chunks[ChunkKind.PARAM], pieces),
+                    [manager.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces],
+                    spans(chunks[ChunkKind.EXP_AVG], pieces),
+                    spans(chunks[ChunkKind.EXP_AVG_SQ], pieces),
+                    [step_of[id(s)] for s, _lo, _hi in pieces],
+                    grad_scale,
+                )
         finally:
             manager.unpin(chunks.values())
-        for slot in slots:
+        for slot in layout.slots:
             slot.grad_in_param_slot = False
         manager.bind_layout(layout)
 
-    def _step_mixed(self, chunks, slots, step_of, grad_scale, home: Tier) -> None:
+    def _step_mixed(self, chunks, pieces, step_of, grad_scale, home: Tier) -> None:
         """fp32 masters: cast gradients to fp32 a workspace at a time, update, write back."""
         manager = self.manager
-        total = sum(s.numel for s in slots)
-        workspace = manager.allocate_workspace(
+        total = sum(hi - lo for _slot, lo, hi in pieces)
+        workspace = manager.residency.allocate_workspace(
             min(total, WORKSPACE_ELEMENTS), torch.float32, home, {c.id for c in chunks.values()}
         )
         try:
-            for batch in _pieces(slots, WORKSPACE_ELEMENTS):
-                batch_slots = [slot for slot, _start, _stop in batch]
-
-                def flat(views, batch=batch):
-                    return [v.view(-1)[a:b] for v, (_s, a, b) in zip(views, batch, strict=True)]
-
-                sizes = [stop - start for _slot, start, stop in batch]
+            for batch in cut(pieces, WORKSPACE_ELEMENTS):
+                sizes = [hi - lo for _slot, lo, hi in batch]
                 grads = list(torch.split(workspace[: sum(sizes)], sizes))
-                torch._foreach_copy_(grads, flat([manager.grad_view(s) for s in batch_slots]))
-                self._account_stream(batch, home, gradients=True)
-                masters = flat([chunks[ChunkKind.MASTER].view(s) for s in batch_slots])
+                sources = [manager.grad_source(s) for s, _lo, _hi in batch]
+                torch._foreach_copy_(
+                    grads,
+                    [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, batch, strict=True)],
+                )
+                self._account_stream(sources, sizes, home, to_home=True)
+                masters = spans(chunks[ChunkKind.MASTER], batch)
                 self._update(
-                    batch_slots,
+                    [slot for slot, _lo, _hi in batch],
                     masters,
                     grads,
-                    flat([chunks[ChunkKind.EXP_AVG].view(s) for s in batch_slots]),
-                    flat([chunks[ChunkKind.EXP_AVG_SQ].view(s) for s in batch_slots]),
-                    [step_of[id(s)] for s in batch_slots],
+                    spans(chunks[ChunkKind.EXP_AVG], batch),
+                    spans(chunks[ChunkKind.EXP_AVG_SQ], batch),
+                    [step_of[id(slot)] for slot, _lo, _hi in batch],
                     grad_scale,
                 )
-                torch._foreach_copy_(
-                    flat([chunks[ChunkKind.PARAM].view(s) for s in batch_slots]), masters
-                )
-                self._account_stream(batch, home, gradients=False)
+                param = chunks[ChunkKind.PARAM]
+                torch._foreach_copy_(spans(param, batch), masters)
+                self._account_stream([param] * len(batch), sizes, home, to_home=False)
         finally:
-            manager.free_workspace(workspace, home)
+            manager.residency.free_workspace(workspace, home)
 
-    def _account_stream(self, batch, home: Tier, gradients: bool) -> None:
+    def _account_stream(
+        self, sources: list[Chunk], sizes: list[int], home: Tier, to_home: bool
+    ) -> None:
         """Bytes crossing tiers: gradients read into the home tier, or values written back."""
         by_chunk: dict[int, list] = {}
-        for slot, start, stop in batch:
-            chunks = slot.layout.chunks
-            in_param = not gradients or slot.grad_in_param_slot
-            chunk = chunks[ChunkKind.PARAM] if in_param else chunks[ChunkKind.GRAD]
+        for chunk, size in zip(sources, sizes, strict=True):
             entry = by_chunk.setdefault(chunk.id, [chunk, 0])
-            entry[1] += (stop - start) * chunk.dtype.itemsize
+            entry[1] += size * chunk.dtype.itemsize
         for chunk, nbytes in by_chunk.values():
-            if gradients:
-                self.manager.transfer(chunk, chunk.tier, home, nbytes, "step gradients")
+            if to_home:
+                self.manager.residency.transfer(chunk, chunk.tier, home, nbytes, "step gradients")
             else:
-                self.manager.transfer(chunk, home, chunk.tier, nbytes, "step values")
+                self.manager.residency.transfer(chunk, home, chunk.tier, nbytes, "step values")
 
     def _update(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
         """One fused call per parameter group over aligned lists (slots may repeat: pieces)."""
@@ -186,34 +206,26 @@ class ChunkAdam:
         for position, slot in enumerate(slots):
             by_group.setdefault(self.group_of[id(slot.param)], []).append(position)
         for group_index, positions in by_group.items():
-            self._fused(
-                group_index, positions, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale
+            group = self.param_groups[group_index]
+            beta1, beta2 = group["betas"]
+            kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+            kernel(
+                [params[i] for i in positions],
+                [grads[i] for i in positions],
+                [exp_avgs[i] for i in positions],
+                [exp_avg_sqs[i] for i in positions],
+                [],
+                [steps[i] for i in positions],
+                amsgrad=False,
+                lr=float(group["lr"]),
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+                grad_scale=grad_scale,
+                found_inf=None,
             )
-
-    def _fused(
-        self, group_index, positions, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale
-    ) -> None:
-        group = self.param_groups[group_index]
-        beta1, beta2 = group["betas"]
-        kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        pick = lambda values: [values[i] for i in positions]  # noqa: E731
-        kernel(
-            pick(params),
-            pick(grads),
-            pick(exp_avgs),
-            pick(exp_avg_sqs),
-            [],
-            pick(steps),
-            amsgrad=False,
-            lr=float(group["lr"]),
-            beta1=beta1,
-            beta2=beta2,
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=False,
-            grad_scale=grad_scale,
-            found_inf=None,
-        )
 
     def restore_from_masters(self) -> None:
         """After a skipped step: every slot that holds a gradient gets its value back."""
@@ -228,12 +240,36 @@ class ChunkAdam:
             try:
                 torch._foreach_copy_(param_chunk.views(slots), master.views(slots))
                 nbytes = sum(s.numel for s in slots) * param_chunk.dtype.itemsize
-                manager.transfer(param_chunk, master.tier, param_chunk.tier, nbytes, "restore")
+                manager.residency.transfer(
+                    param_chunk, master.tier, param_chunk.tier, nbytes, "restore"
+                )
             finally:
                 manager.unpin(chunks.values())
             for slot in slots:
                 slot.grad_in_param_slot = False
             manager.bind_layout(layout)
+
+    def grad_norm(self) -> float:
+        """L2 norm of the gradients the update will use (averaged over ranks under ZeRO),
+        before loss-scale division; computed where each gradient lives, no chunk moves.
+
+        Like ``clip_grad_norm_``: the fp32 norm of per-tensor norms (here per piece); ranks
+        add the squares of their local norms.
+        """
+        manager = self.manager
+        norms = []
+        for layout in manager.trainable_layouts():
+            pieces = owned_pieces(layout, manager.state_span(layout))
+            views = [manager.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces]
+            if views:
+                norms.extend(n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32))
+        local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+        sharding = manager.sharding
+        if sharding.world_size == 1:
+            return float(local)
+        squares = local.double().square()
+        sharding.all_reduce_sum(squares)
+        return math.sqrt(float(squares)) / sharding.world_size
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -242,40 +278,45 @@ class ChunkAdam:
         }
 
 
-def _pieces(slots: Sequence[TensorSlot], limit: int) -> list[list[tuple[TensorSlot, int, int]]]:
-    """Flat ranges ``(slot, start, stop)`` covering ``slots`` in batches of at most ``limit``
-    elements; a slot larger than ``limit`` is cut (Adam is elementwise, so any cut is exact)."""
-    batches: list[list[tuple[TensorSlot, int, int]]] = []
-    current: list[tuple[TensorSlot, int, int]] = []
+Piece = tuple[TensorSlot, int, int]  # a slot and a range of its flat elements
+
+
+def owned_pieces(layout: ChunkLayout, span: tuple[int, int]) -> list[Piece]:
+    """The parts of slots with gradients that fall in ``span`` = (start, numel)."""
+    start, numel = span
+    pieces = []
+    for slot in layout.slots:
+        if not slot.has_grad:
+            continue
+        lo = max(0, start - slot.offset)
+        hi = min(slot.numel, start + numel - slot.offset)
+        if lo < hi:
+            pieces.append((slot, lo, hi))
+    return pieces
+
+
+def spans(chunk: Chunk, pieces: Sequence[Piece]) -> list[torch.Tensor]:
+    return [chunk.span(slot, lo, hi) for slot, lo, hi in pieces]
+
+
+def cut(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:
+    """``pieces`` in batches of at most ``limit`` elements; a longer piece is cut (Adam is
+    elementwise, so any cut is exact)."""
+    batches: list[list[Piece]] = []
+    current: list[Piece] = []
     size = 0
-    for slot in slots:
-        start = 0
-        while start < slot.numel:
-            take = min(slot.numel - start, limit - size)
-            current.append((slot, start, start + take))
+    for slot, lo, hi in pieces:
+        while lo < hi:
+            take = min(hi - lo, limit - size)
+            current.append((slot, lo, lo + take))
             size += take
-            start += take
+            lo += take
             if size == limit:
                 batches.append(current)
                 current, size = [], 0
     if current:
         batches.append(current)
     return batches
-
-
-def global_grad_norm(manager: ChunkManager) -> float:
-    """L2 norm over every gradient, computed where each gradient lives (no chunk moves).
-
-    Like ``torch.nn.utils.clip_grad_norm_``: the norm of the per-tensor norms, in fp32.
-    """
-    norms = []
-    for layout in manager.trainable_layouts():
-        views = [manager.grad_view(s) for s in layout.slots if s.has_grad]
-        if views:
-            norms.extend(n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32))
-    if not norms:
-        return 0.0
-    return float(torch.linalg.vector_norm(torch.stack(norms)))
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -117,7 +117,11 @@ class Packer:
         chunk_size: int,
         trainable: bool,
         new_layout_index: Callable[[], int],
+        alignment: int = 1,
     ) -> None:
+        if chunk_size % alignment:
+            raise ValueError(f"chunk size {chunk_size} is not a multiple of {alignment}")
+        self.alignment = alignment
         self.chunk_size = chunk_size
         self.trainable = trainable
         self._new_layout_index = new_layout_index
@@ -128,7 +132,8 @@ class Packer:
         """Add ``param``; returns its slot, its layout and whether the layout is new."""
         numel = param.numel()
         if numel > self.chunk_size:
-            layout = ChunkLayout(self._new_layout_index(), numel, self.trainable)
+            capacity = _round_up(numel, self.alignment)  # shards of equal size need this
+            layout = ChunkLayout(self._new_layout_index(), capacity, self.trainable)
             self.layouts.append(layout)
             return layout.add(name, param), layout, True
         created = False

@@ -213,6 +213,19 @@ class Tracer:
         assert self.replay is not None
         return self.replay.next_device_use(chunk_id, self.index)
 
+    def needed_again_this_phase(self, chunk_id: int) -> bool:
+        """Whether the replayed trace uses the chunk again before the phase changes."""
+        assert self.replay is not None
+        distance = self.replay.next_device_use(chunk_id, self.index + 1)
+        if distance == float("inf"):
+            return False
+        phase = self.replay.moments[self.index].phase
+        stop = self.index + 1 + int(distance)
+        count = len(self.replay)
+        return all(
+            self.replay.moments[i % count].phase is phase for i in range(self.index + 1, stop + 1)
+        )
+
     def upcoming(self, lookahead: int) -> list[tuple[int, dict[int, Tier]]]:
         """The next ``lookahead`` moments' accesses, wrapping into the next cycle."""
         if self.replay is None or not len(self.replay):

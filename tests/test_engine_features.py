@@ -317,7 +317,9 @@ def test_steady_state_has_no_pressure_evictions_and_matches_offline_belady() -> 
     assert steady and not [m for m in steady if m.reason == "pressure"]
     trace = engine.tracer.traces_for(_signature(engine))[-1]
     nbytes = {c.id: c.nbytes for c in engine.manager.chunks.values()}
-    budgets = [capacity - engine.manager.static_device_bytes() - p for p in trace.nonmodel_peak]
+    budgets = [
+        capacity - engine.manager.residency.static_device_bytes() - p for p in trace.nonmodel_peak
+    ]
     offline = simulate_traffic(trace, nbytes, budgets, "belady")
     assert engine.ledger.bytes_moved(4) == offline.bytes_moved
 
@@ -376,12 +378,20 @@ def test_mixed_precision_step_in_small_workspace_pieces_is_exact(monkeypatch) ->
     assert max_relative_diff(params_of(engine, reference.masters), reference.masters) <= 1e-6
 
 
-def test_pieces_cover_every_element_once_within_the_limit() -> None:
-    from chunkmem.optimizer import _pieces
+def test_pieces_cover_owned_elements_once_within_the_limit() -> None:
+    from chunkmem.optimizer import cut, owned_pieces
 
     layout = ChunkLayout(0, 1000, trainable=True)
     slots = [layout.add(f"p{n}", nn.Parameter(torch.zeros(n))) for n in (5, 23, 7, 40)]
-    batches = _pieces(slots, 16)
+    for slot in slots:
+        slot.grad_contributions = 1
+    pieces = owned_pieces(layout, (10, 50))  # a shard: elements 10..59 of the layout
+    assert [(s.name, lo, hi) for s, lo, hi in pieces] == [
+        ("p23", 5, 23),
+        ("p7", 0, 7),
+        ("p40", 0, 25),
+    ]
+    batches = cut(pieces, 16)
     assert all(sum(b - a for _s, a, b in batch) <= 16 for batch in batches)
     covered = [(s.name, i) for batch in batches for s, a, b in batch for i in range(a, b)]
-    assert covered == [(s.name, i) for s in slots for i in range(s.numel)]
+    assert covered == [(s.name, i) for s, lo, hi in pieces for i in range(lo, hi)]

@@ -1,0 +1,373 @@
+"""Residency: where each chunk's payload is, and the mechanics of moving it.
+
+It carries out what :mod:`chunkmem.placement` decides: allocate and free payloads, move them
+between the device and the host with exact accounting in the ledger, make room by evicting,
+prefetch, and keep the device's non-model bytes in the ledger and the trace. It knows chunks,
+not parameters; the chunk manager hears about chunks arriving on or leaving the device through
+a :class:`ResidencyListener` (to bind or unbind parameters) and fills gathered chunks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import torch
+
+from chunkmem.chunk import DYNAMIC_KINDS, Chunk, ChunkKind, ChunkLayout, Tier
+from chunkmem.devices import ComputeDevice
+from chunkmem.errors import OutOfMemoryError
+from chunkmem.ledger import WORKSPACE, Ledger
+from chunkmem.placement import Placement, plan_moment
+from chunkmem.tracer import Moment, Tracer
+
+
+class ResidencyListener(Protocol):
+    def chunk_arrived(self, chunk: Chunk) -> None:
+        """``chunk`` has a device payload now (bind the parameters that compute on it)."""
+
+    def chunk_leaving(self, chunk: Chunk) -> None:
+        """``chunk``'s device payload is about to go (unbind its parameters)."""
+
+    def fill_gathered(self, chunk: Chunk, protect: set[int]) -> None:
+        """Give a gathered chunk its content (ZeRO-3: all-gather the shards)."""
+
+
+class Residency:
+    """Payload lifecycle and placement mechanics for every chunk of one process."""
+
+    def __init__(
+        self, device: ComputeDevice, ledger: Ledger, tracer: Tracer, placement: Placement
+    ) -> None:
+        self.device = device
+        self.ledger = ledger
+        self.tracer = tracer
+        self.placement = placement
+        self.listener: ResidencyListener | None = None
+        self.chunks: dict[int, Chunk] = {}
+        self._ids = itertools.count()
+        self._device_storage: dict[int, Chunk] = {}  # data_ptr of a device payload -> chunk
+        self._resident: dict[int, Chunk] = {}  # dynamic chunks on the device
+        self._resident_bytes = 0
+        self._static_bytes = 0  # optimizer-state chunks on the device
+        self._dynamic_with_payload = 0
+        self._last_access: dict[int, int] = {}
+        self._tick = 0
+        self._transient_pins: list[Chunk] = []
+
+    # ------------------------------------------------------------------ payloads
+    def new_chunk(
+        self,
+        layout: ChunkLayout,
+        kind: ChunkKind,
+        dtype: torch.dtype,
+        tier: Tier | None,
+        span: tuple[int, int] | None = None,
+    ) -> Chunk:
+        """A chunk of ``layout`` (whole, or ``span`` = (start, numel)); allocated on ``tier``."""
+        start, numel = span if span is not None else (0, layout.capacity)
+        chunk = Chunk(next(self._ids), layout, kind, dtype, start, numel)
+        self.chunks[chunk.id] = chunk
+        layout.chunks[kind] = chunk
+        if tier is not None:
+            if tier is Tier.DEVICE and kind in DYNAMIC_KINDS:
+                self.make_room(chunk.nbytes, protect=set(), reason="allocate")
+            self.allocate_payload(chunk, tier)
+        return chunk
+
+    def allocate_payload(self, chunk: Chunk, tier: Tier) -> None:
+        """Give a chunk without payload a zeroed one on ``tier``; no bytes move."""
+        what = f"a {chunk.kind.value} chunk"
+        self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
+        if tier is Tier.DEVICE:
+            payload = self.device.empty(chunk.numel, chunk.dtype).zero_()
+        else:
+            payload = self.device.host_empty(chunk.numel, chunk.dtype).zero_()
+        self._set_payload(chunk, payload, tier)
+
+    def free_payload(self, chunk: Chunk) -> None:
+        """Drop a chunk's payload: its content is dead (gradients after the step, a gathered
+        copy after use), so nothing is copied anywhere."""
+        if chunk.tier is None or chunk.payload is None:
+            return
+        self.ready(chunk)
+        if chunk.tier is Tier.DEVICE and self.listener is not None:
+            self.listener.chunk_leaving(chunk)
+        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
+        self._set_payload(chunk, None, None)
+        self.tracer.on_free(chunk.id)
+
+    def _set_payload(self, chunk: Chunk, payload: torch.Tensor | None, tier: Tier | None) -> None:
+        """The one place a payload changes: keeps the device indexes in step."""
+        dynamic = chunk.kind in DYNAMIC_KINDS
+        if dynamic:
+            self._dynamic_with_payload += (payload is not None) - (chunk.payload is not None)
+        if chunk.tier is Tier.DEVICE:
+            del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
+            if dynamic:
+                del self._resident[chunk.id]
+                self._resident_bytes -= chunk.nbytes
+            else:
+                self._static_bytes -= chunk.nbytes
+        chunk.payload, chunk.tier = payload, tier
+        if tier is Tier.DEVICE:
+            self._device_storage[payload.untyped_storage().data_ptr()] = chunk
+            if dynamic:
+                self._resident[chunk.id] = chunk
+                self._resident_bytes += chunk.nbytes
+            else:
+                self._static_bytes += chunk.nbytes
+
+    def chunk_of_storage(self, tensor: torch.Tensor) -> Chunk | None:
+        """The device chunk whose payload ``tensor`` aliases, if any."""
+        return self._device_storage.get(tensor.untyped_storage().data_ptr())
+
+    def ready(self, chunk: Chunk) -> None:
+        """Wait for an async copy into the chunk's payload, if one is in flight."""
+        if chunk.pending_event is not None:
+            if chunk.tier is Tier.DEVICE:
+                self.device.wait(chunk.pending_event)
+            else:
+                self.device.wait_host(chunk.pending_event)
+            chunk.pending_event = None
+
+    # ------------------------------------------------------------------ moving
+    def move(self, chunk: Chunk, dst: Tier, reason: str) -> None:
+        src = chunk.tier
+        if src is dst:
+            return
+        assert src is not None and chunk.payload is not None
+        if not chunk.movable():
+            raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
+        if dst is Tier.HOST:
+            self.make_host_room(chunk.nbytes, protect={chunk.id})
+        self.ledger.allocate(
+            dst.value,
+            chunk.kind.value,
+            chunk.nbytes,
+            f"moving {chunk!r} to {dst.value}",
+            f"chunk {chunk.id}",
+        )
+        if src is Tier.DEVICE and self.listener is not None:
+            self.listener.chunk_leaving(chunk)
+        if dst is Tier.DEVICE:
+            self.ready(chunk)
+            payload, event = self.device.to_device(chunk.payload)
+        else:
+            payload = self.device.host_empty(chunk.numel, chunk.dtype)
+            event = self.device.to_host(chunk.payload, payload)
+        self.ledger.free(src.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
+        self._set_payload(chunk, payload, dst)
+        chunk.pending_event = event
+        self.ledger.record_move(
+            chunk.id, chunk.kind.value, src.value, dst.value, chunk.nbytes, reason
+        )
+        if dst is Tier.DEVICE and self.listener is not None:
+            self.listener.chunk_arrived(chunk)
+
+    def evict(self, chunk: Chunk, reason: str) -> None:
+        """Off the device: a gathered copy is simply dropped, anything else goes to the host."""
+        if chunk.kind is ChunkKind.GATHERED:
+            self.free_payload(chunk)
+        else:
+            self.move(chunk, Tier.HOST, reason)
+
+    def transfer(self, chunk: Chunk, src: Tier, dst: Tier, nbytes: int, reason: str) -> None:
+        """Account part of ``chunk`` copied between tiers without moving the chunk (the step's
+        streamed gradients and values)."""
+        if src is dst:
+            return
+        self.ledger.record_move(chunk.id, chunk.kind.value, src.value, dst.value, nbytes, reason)
+        self.tracer.on_stream(nbytes, dst)
+
+    # ------------------------------------------------------------------ room
+    def static_device_bytes(self) -> int:
+        """Device bytes placement cannot move: optimizer states homed there, workspaces."""
+        return self.ledger.device.workspace_bytes + self._static_bytes
+
+    def _rank(self) -> Callable[[Iterable[int]], list[int]]:
+        return self.placement.rank(self.tracer, lambda c: self._last_access.get(c, -1))
+
+    def evict_for(self, nbytes: int, limit: int, protect: set[int], reason: str) -> None:
+        """Evict movable dynamic chunks until ``nbytes`` more fit under ``limit`` and capacity."""
+        used = self._resident_bytes
+        if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
+            return
+        candidates = [c.id for c in self._resident.values() if c.id not in protect and c.movable()]
+        for victim_id in self._rank()(candidates):
+            if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
+                return
+            victim = self.chunks[victim_id]
+            self.evict(victim, reason)
+            used -= victim.nbytes
+
+    def make_room(self, nbytes: int, protect: set[int], reason: str) -> None:
+        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+        self.evict_for(nbytes, budget, protect, reason)
+        if not self.ledger.would_fit("device", nbytes):
+            raise OutOfMemoryError(
+                "device",
+                nbytes,
+                max(0, self.ledger.device.available or 0),
+                f"Nothing more can be evicted at moment {self.ledger.moment_label!r}: "
+                f"{self.ledger.describe('device')}. The chunks in use at one moment plus the "
+                f"non-model memory exceed the device capacity; raise device.capacity, use a "
+                f"smaller chunk.size, or lower the batch size / sequence length.",
+            )
+
+    def make_host_room(self, nbytes: int, protect: set[int]) -> None:
+        """A limited host is full: send host chunks needed soonest on the device up early."""
+        if self.ledger.would_fit("host", nbytes):
+            return
+        on_host = [
+            c
+            for c in self.chunks.values()
+            if c.tier is Tier.HOST
+            and c.kind in DYNAMIC_KINDS
+            and c.id not in protect
+            and c.movable()
+        ]
+        if self.tracer.replaying:
+            on_host.sort(key=lambda c: self.tracer.next_device_use(c.id))
+        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+        used = self._resident_bytes
+        for chunk in on_host:
+            if self.ledger.would_fit("host", nbytes):
+                return
+            if used + chunk.nbytes <= budget and self.ledger.would_fit("device", chunk.nbytes):
+                self.move(chunk, Tier.DEVICE, "host pressure")
+                used += chunk.nbytes
+
+    def fetch(self, chunk: Chunk, protect: set[int], reason: str) -> None:
+        """Bring one chunk to the device: move it, allocate it, or (gathered) fill it."""
+        if chunk.tier is Tier.DEVICE:
+            return
+        self.make_room(chunk.nbytes, protect, reason)
+        if chunk.kind is ChunkKind.GATHERED:
+            assert self.listener is not None
+            self.allocate_payload(chunk, Tier.DEVICE)
+            self.listener.fill_gathered(chunk, protect | {chunk.id})
+            self.listener.chunk_arrived(chunk)
+        elif chunk.tier is None:
+            self.allocate_payload(chunk, Tier.DEVICE)
+        else:
+            self.move(chunk, Tier.DEVICE, reason)
+
+    def touch(self, chunk: Chunk, tier: Tier = Tier.DEVICE) -> None:
+        self._tick += 1
+        self._last_access[chunk.id] = self._tick
+        self.tracer.on_access(chunk.id, tier)
+
+    def ensure_on_device(self, chunks: Sequence[Chunk]) -> None:
+        """Bring ``chunks`` to the device, evicting by the placement plan."""
+        if all(chunk.tier is Tier.DEVICE for chunk in chunks):
+            for chunk in chunks:
+                self.ready(chunk)
+                self.touch(chunk)
+            return
+        protect = {c.id for c in chunks}
+        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+        plan = plan_moment(
+            set(self._resident),
+            {c.id: Tier.DEVICE for c in chunks},
+            lambda cid: self.chunks[cid].nbytes,
+            budget,
+            lambda cid: self.chunks[cid].movable(),
+            self._rank(),
+        )
+        for chunk_id in plan.to_host:
+            self.evict(self.chunks[chunk_id], "evict")
+        for chunk_id in plan.to_device:
+            self.fetch(self.chunks[chunk_id], protect, "fetch")
+        for chunk in chunks:
+            self.ready(chunk)
+            self.touch(chunk)
+
+    def pin_until_next_moment(self, chunk: Chunk) -> None:
+        chunk.pins += 1
+        self._transient_pins.append(chunk)
+
+    def release_transient_pins(self) -> None:
+        for chunk in self._transient_pins:
+            chunk.pins -= 1
+        self._transient_pins.clear()
+
+    # ------------------------------------------------------------------ moments
+    def enter_moment(self, moment: Moment) -> None:
+        """A module's pre-forward / pre-backward or a step: sample, then let go of pins."""
+        self.release_transient_pins()
+        chunk_bytes = self.ledger.device.model_bytes
+        nonmodel = self.device.meter.current(chunk_bytes)
+        index = self.tracer.on_moment(moment, nonmodel)
+        self.ledger.set_nonmodel(nonmodel)
+        self.ledger.sample_moment(index, moment.name)
+        self.device.meter.reset_peak(chunk_bytes)
+
+    def after_access(self) -> None:
+        """Once a moment's chunks are in: keep within the budget, then prefetch."""
+        all_resident = len(self._resident) == self._dynamic_with_payload
+        lowest = self.placement.lowest_budget(self.tracer, self.static_device_bytes())
+        if all_resident and lowest is not None and self._resident_bytes <= lowest:
+            return  # everything is in and fits at every moment of the trace
+        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+        self.evict_for(0, budget, protect=set(), reason="evict")
+        if all_resident:
+            return
+        for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
+            chunk = self.chunks.get(chunk_id)
+            if chunk is None or chunk.tier is not Tier.HOST:
+                continue  # on the device already, or nothing to copy (gathered, freed)
+            window_budget = self.placement.chunk_budget(
+                self.tracer, self.static_device_bytes(), moments_ahead=ahead
+            )
+            if self._resident_bytes + chunk.nbytes > window_budget or not self.ledger.would_fit(
+                "device", chunk.nbytes
+            ):
+                break
+            self.move(chunk, Tier.DEVICE, "prefetch")
+
+    # ------------------------------------------------------------------ non-model bytes
+    def account_nonmodel(self) -> int:
+        """Record the device's current non-model bytes in the ledger and the trace."""
+        nonmodel = self.device.meter.current(self.ledger.device.model_bytes)
+        self.ledger.set_nonmodel(nonmodel)
+        self.tracer.on_nonmodel(nonmodel)
+        return nonmodel
+
+    def on_nonmodel_growth(self) -> None:
+        """Non-model bytes grew: account them and evict chunks if the device is over capacity."""
+        nonmodel = self.account_nonmodel()
+        if not self.ledger.overflow("device"):
+            return
+        resident = [c.id for c in self._resident.values() if c.movable()]
+        for victim_id in self._rank()(resident):
+            self.evict(self.chunks[victim_id], "pressure")
+            if not self.ledger.overflow("device"):
+                return
+        raise OutOfMemoryError(
+            "device",
+            self.ledger.device.used,
+            self.ledger.device.capacity or 0,
+            f"Non-model memory ({nonmodel:,} bytes: activations saved for backward and "
+            f"gradients in flight) at moment {self.ledger.moment_label!r} does not fit beside "
+            f"the chunks in use ({self.ledger.describe('device')}). Raise device.capacity, "
+            f"lower the batch size or sequence length, use activation checkpointing, or a "
+            f"smaller chunk.size.",
+        )
+
+    # ------------------------------------------------------------------ workspaces
+    def allocate_workspace(
+        self, numel: int, dtype: torch.dtype, tier: Tier, protect: set[int]
+    ) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        if tier is Tier.DEVICE:
+            self.make_room(nbytes, protect, "workspace")
+            self.ledger.allocate("device", WORKSPACE, nbytes, "a workspace", WORKSPACE)
+            return self.device.empty(numel, dtype)
+        self.make_host_room(nbytes, protect)
+        self.ledger.allocate("host", WORKSPACE, nbytes, "a workspace", WORKSPACE)
+        return self.device.host_empty(numel, dtype)
+
+    def free_workspace(self, buffer: torch.Tensor, tier: Tier) -> None:
+        self.ledger.free(tier.value, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
