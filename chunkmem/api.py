@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from chunkmem.sharding import Sharding
 from chunkmem.tracer import Tracer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ALIGNMENT = 64  # elements: every chunk is a whole number of cache lines in any dtype
 
 
 def initialize(
@@ -47,19 +50,30 @@ def initialize(
             )
     if not named:
         raise ConfigError("the model has no parameters; there is nothing for chunkmem to manage")
-    device, capacity = make_device(config.device.type, config.device.capacity)
+    comm = _join_world(config) if config.zero.stage else None
+    local_rank = int(os.environ.get("LOCAL_RANK", comm.rank)) if comm else None
+    device, capacity = make_device(config.device.type, config.device.capacity, local_rank)
     compute_dtype = _DTYPES[config.precision]
     mixed = config.precision != "fp32"
+    world_size = comm.size if comm else 1
 
     param_groups, group_of, decoupled = _param_groups(model, optimizer, config)
     unique = list(dict.fromkeys(p for _n, p in named))
     trainable = [p for p in unique if p.requires_grad]
     frozen = [p for p in unique if not p.requires_grad]
-    choice = _chunk_size(config, capacity, compute_dtype, trainable, frozen)
-    separate_grads = not mixed or config.gradient_accumulation_steps > 1
+    choice = _chunk_size(
+        config, capacity, compute_dtype, trainable, frozen, math.lcm(_ALIGNMENT, world_size)
+    )
+    separate_grads = not mixed or config.gradient_accumulation_steps > 1 or comm is not None
     _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
-
     sharding = Sharding()
+    if comm is not None:
+        from zero.setup import check_ranks_agree, fingerprint
+        from zero.sharding import ZeroSharding
+
+        check_ranks_agree(comm, fingerprint(model, config, choice.size))
+        sharding = ZeroSharding(config.zero.stage, comm, device.torch_device)
+
     ledger = Ledger(capacity, config.host.capacity, config.report.max_move_events)
     tracer = Tracer()
     placement = Placement(
@@ -119,26 +133,35 @@ def _param_groups(
     return groups, group_of, decoupled
 
 
+def _join_world(config: Config):
+    from zero.setup import join_world
+
+    return join_world(config)
+
+
 def _chunk_size(
     config: Config,
     capacity: int,
     dtype: torch.dtype,
     trainable: list[torch.nn.Parameter],
     frozen: list[torch.nn.Parameter],
+    alignment: int,
 ) -> ChunkSizeChoice:
+    """Searched (or configured) chunk size, a multiple of ``alignment`` so layouts shard evenly."""
     trainable_numels = [p.numel() for p in trainable]
     frozen_numels = [p.numel() for p in frozen]
     if config.chunk.size != "auto":
         size = config.chunk.size
         if size < 1:
             raise ConfigError(f"config key 'chunk.size' must be >= 1 or 'auto', got {size}")
+        size = -(-size // alignment) * alignment
         padding = padding_for(trainable_numels, size) + padding_for(frozen_numels, size)
         oversized = sum(1 for n in trainable_numels + frozen_numels if n > size)
         return ChunkSizeChoice(size, padding, sum(trainable_numels + frozen_numels), oversized, 1)
     max_size = int(capacity * config.chunk.max_fraction_of_capacity) // dtype.itemsize
     # Trainable and frozen parameters fill separate chunk lists; search on the larger one.
     numels = trainable_numels if sum(trainable_numels) >= sum(frozen_numels) else frozen_numels
-    choice = search_chunk_size(numels, max(max_size, 1))
+    choice = search_chunk_size(numels, max(max_size, alignment), alignment)
     padding = padding_for(trainable_numels, choice.size) + padding_for(frozen_numels, choice.size)
     oversized = sum(1 for n in trainable_numels + frozen_numels if n > choice.size)
     total = sum(trainable_numels) + sum(frozen_numels)

@@ -151,6 +151,25 @@ class PlacementConfig(_Section):
     )
 
 
+class ZeroConfig(_Section):
+    """ZeRO sharding across data-parallel ranks (launch with torchrun; one process per rank)."""
+
+    stage: Literal[0, 1, 2, 3] = Field(
+        0,
+        description="0: one process, no sharding. 1: optimizer states sharded. 2: gradients "
+        "too, reduce-scattered during backward. 3: parameters too, gathered for compute.",
+    )
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto: nccl with CUDA, gloo otherwise."
+    )
+    timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="Every collective fails after this long, naming the operation and the "
+        "group, instead of hanging when a peer rank died or hung.",
+    )
+
+
 class ReportConfig(_Section):
     """Memory-trace report written by ``engine.write_report()``."""
 
@@ -188,6 +207,7 @@ class Config(_Section):
     host: HostConfig = HostConfig()
     chunk: ChunkConfig = ChunkConfig()
     placement: PlacementConfig = PlacementConfig()
+    zero: ZeroConfig = ZeroConfig()
     report: ReportConfig = ReportConfig()
 
     @classmethod

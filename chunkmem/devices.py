@@ -137,9 +137,9 @@ class CudaDevice(ComputeDevice):
                 "device.type is 'cuda' but torch sees no CUDA device; use device.type "
                 "'simulated' (with device.capacity) on machines without a GPU"
             )
-        self.torch_device = torch.device(
-            "cuda", torch.cuda.current_device() if index is None else index
-        )
+        if index is not None:
+            torch.cuda.set_device(index)
+        self.torch_device = torch.device("cuda", torch.cuda.current_device())
         self.copy_stream = torch.cuda.Stream(self.torch_device)
         self.meter = CudaAllocatorMeter(self.torch_device)
 
@@ -193,8 +193,13 @@ class CudaDevice(ComputeDevice):
             event.synchronize()  # type: ignore[attr-defined]
 
 
-def make_device(kind: str, capacity: int | None) -> tuple[ComputeDevice, int]:
-    """Build the configured device and resolve its capacity in bytes."""
+def make_device(
+    kind: str, capacity: int | None, local_rank: int | None = None
+) -> tuple[ComputeDevice, int]:
+    """Build the configured device and resolve its capacity in bytes.
+
+    ``local_rank`` picks the GPU of a data-parallel process (torchrun's LOCAL_RANK).
+    """
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "simulated"
     if kind == "simulated":
@@ -204,7 +209,7 @@ def make_device(kind: str, capacity: int | None) -> tuple[ComputeDevice, int]:
                 '(e.g. "512MiB"); it is the budget chunks and activations must fit in'
             )
         return SimulatedDevice(), capacity
-    device = CudaDevice()
+    device = CudaDevice(local_rank)
     if capacity is None:
         capacity = int(device.free_bytes() * 0.9)
     return device, capacity

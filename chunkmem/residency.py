@@ -166,13 +166,6 @@ class Residency:
         if dst is Tier.DEVICE and self.listener is not None:
             self.listener.chunk_arrived(chunk)
 
-    def evict(self, chunk: Chunk, reason: str) -> None:
-        """Off the device: a gathered copy is simply dropped, anything else goes to the host."""
-        if chunk.kind is ChunkKind.GATHERED:
-            self.free_payload(chunk)
-        else:
-            self.move(chunk, Tier.HOST, reason)
-
     def transfer(self, chunk: Chunk, src: Tier, dst: Tier, nbytes: int, reason: str) -> None:
         """Account part of ``chunk`` copied between tiers without moving the chunk (the step's
         streamed gradients and values)."""
@@ -186,6 +179,13 @@ class Residency:
         """Device bytes placement cannot move: optimizer states homed there, workspaces."""
         return self.ledger.device.workspace_bytes + self._static_bytes
 
+    @staticmethod
+    def evictable(chunk: Chunk) -> bool:
+        """Whether placement may evict ``chunk``. Gathered copies are dropped only by the
+        rule every rank applies alike (see ``ChunkManager.release``): a local eviction would
+        make this rank gather again alone, and a collective needs every rank."""
+        return chunk.kind is not ChunkKind.GATHERED and chunk.movable()
+
     def _rank(self) -> Callable[[Iterable[int]], list[int]]:
         return self.placement.rank(self.tracer, lambda c: self._last_access.get(c, -1))
 
@@ -194,12 +194,14 @@ class Residency:
         used = self._resident_bytes
         if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
             return
-        candidates = [c.id for c in self._resident.values() if c.id not in protect and c.movable()]
+        candidates = [
+            c.id for c in self._resident.values() if c.id not in protect and self.evictable(c)
+        ]
         for victim_id in self._rank()(candidates):
             if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
                 return
             victim = self.chunks[victim_id]
-            self.evict(victim, reason)
+            self.move(victim, Tier.HOST, reason)
             used -= victim.nbytes
 
     def make_room(self, nbytes: int, protect: set[int], reason: str) -> None:
@@ -273,11 +275,11 @@ class Residency:
             {c.id: Tier.DEVICE for c in chunks},
             lambda cid: self.chunks[cid].nbytes,
             budget,
-            lambda cid: self.chunks[cid].movable(),
+            lambda cid: self.evictable(self.chunks[cid]),
             self._rank(),
         )
         for chunk_id in plan.to_host:
-            self.evict(self.chunks[chunk_id], "evict")
+            self.move(self.chunks[chunk_id], Tier.HOST, "evict")
         for chunk_id in plan.to_device:
             self.fetch(self.chunks[chunk_id], protect, "fetch")
         for chunk in chunks:
@@ -340,9 +342,9 @@ class Residency:
         nonmodel = self.account_nonmodel()
         if not self.ledger.overflow("device"):
             return
-        resident = [c.id for c in self._resident.values() if c.movable()]
+        resident = [c.id for c in self._resident.values() if self.evictable(c)]
         for victim_id in self._rank()(resident):
-            self.evict(self.chunks[victim_id], "pressure")
+            self.move(self.chunks[victim_id], Tier.HOST, "pressure")
             if not self.ledger.overflow("device"):
                 return
         raise OutOfMemoryError(

@@ -1,0 +1,245 @@
+"""ZeRO stages 1-3 against torch DDP, FSDP2 and DeepSpeed ZeRO 1-3 on 2 gloo ranks.
+
+The same GPT (~54M parameters in the full run), the same data and fp32 AdamW (torch's fused
+kernel everywhere it is accepted) train on two CPU ranks of this machine, one framework at a
+time, in a forward then a reversed order (so load drifts hit all alike); each step is timed
+between barriers and the median over both rounds is reported. Per-rank model-state bytes
+come from our ledger and are compared with the ZeRO formulas (fp32: 4 bytes each of
+parameter and gradient, 8 of Adam moments). After timing, rank 0 trains the model in one
+process on the global batch for the same steps; our stage-3 parameters are compared with it.
+
+DeepSpeed is a benchmark-only extra (``pip install -e .[bench]``); without it its rows are
+missing and its ratio is null, said loudly.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks._common import parse_args, print_table, write_results
+from chunkmem.models.gpt import GPT, GPTConfig
+
+WORLD = 2
+FULL = {"config": GPTConfig(vocab_size=8192, block_size=128, n_layer=10, n_head=10, n_embd=640),
+        "local_batch": 2, "warmup": 2, "measure": 3, "rounds": 2}  # fmt: skip
+QUICK = {"config": GPTConfig(vocab_size=2048, block_size=64, n_layer=4, n_head=4, n_embd=256),
+         "local_batch": 2, "warmup": 1, "measure": 2, "rounds": 1}  # fmt: skip
+OURS = ("chunkmem_z1", "chunkmem_z2", "chunkmem_z3")
+DEEPSPEED = ("deepspeed_z1", "deepspeed_z2", "deepspeed_z3")
+PEERS = ("ddp", "fsdp2")
+LR = 1e-3
+STATE_KINDS = ("param", "grad", "grad_shard", "master", "exp_avg", "exp_avg_sq")
+
+
+def batch(setup: dict, step: int, rank: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s batch: this rank's slice, or the global batch when rank is None."""
+    config = setup["config"]
+    generator = torch.Generator().manual_seed(1000 + step)
+    rows = torch.randint(
+        0, config.vocab_size, (WORLD * setup["local_batch"], config.block_size + 1),
+        generator=generator,
+    )  # fmt: skip
+    if rank is not None:
+        rows = rows[rank * setup["local_batch"] : (rank + 1) * setup["local_batch"]]
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+def model_for(setup: dict) -> GPT:
+    torch.manual_seed(0)
+    return GPT(setup["config"])
+
+
+def build(name: str, setup: dict):
+    """(step function, teardown state) for framework ``name`` on this rank."""
+    model = model_for(setup)
+    if name.startswith("chunkmem"):
+        import chunkmem
+
+        engine = chunkmem.initialize(
+            model,
+            config={
+                "device": {"type": "simulated", "capacity": "8GiB"},
+                "optimizer": {"lr": LR, "weight_decay": 0.01},
+                "zero": {"stage": int(name[-1]), "timeout_s": 600},
+            },
+        )
+
+        def step(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            # Model states at the end of backward, where the ZeRO formulas count gradients.
+            ledger = engine.ledger
+            engine.state_bytes_after_backward = sum(
+                ledger.device.by_kind[k] + ledger.host.by_kind[k] for k in STATE_KINDS
+            )
+            engine.step()
+
+        return step, engine
+    if name == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=LR, fused=True)
+    elif name == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(wrapped.parameters(), lr=LR, fused=True)
+    else:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=torch.optim.AdamW(model.parameters(), lr=LR, fused=True),
+            config={
+                "train_micro_batch_size_per_gpu": setup["local_batch"],
+                "gradient_accumulation_steps": 1,
+                "zero_optimization": {"stage": int(name[-1])},
+            },
+        )
+
+        def step(x, y):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+
+        return step, engine
+
+    def plain_step(x, y):
+        wrapped(x, y).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return plain_step, (wrapped, optimizer)
+
+
+def state_bytes(name: str, state) -> int | None:
+    """Per-rank model-state bytes from our ledger (other frameworks cannot say exactly)."""
+    return state.state_bytes_after_backward if name.startswith("chunkmem") else None
+
+
+def rank_main(rank: int, setup: dict, names: list[str], store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": os.environ["CHUNKMEM_BENCH_PORT"]}
+    )  # fmt: skip
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    measured_bytes: dict[str, int | None] = {}
+    final_states: dict[str, dict[str, torch.Tensor]] = {}
+    steps = setup["warmup"] + setup["measure"]
+    for round_index in range(setup["rounds"]):
+        order = names if round_index % 2 == 0 else list(reversed(names))
+        for name in order:
+            step, state = build(name, setup)
+            for index in range(steps):
+                x, y = batch(setup, index, rank)
+                dist.barrier()
+                started = time.perf_counter()
+                step(x, y)
+                dist.barrier()
+                if index >= setup["warmup"]:
+                    times[name].append(time.perf_counter() - started)
+            measured_bytes[name] = state_bytes(name, state)
+            if name == "chunkmem_z3" and round_index == 0:
+                final_states[name] = state.state_dict()
+            del step, state
+            gc.collect()
+    if rank == 0:
+        reference = model_for(setup)
+        optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, fused=True)
+        for index in range(steps):
+            x, y = batch(setup, index, None)
+            reference(x, y).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        ours = final_states["chunkmem_z3"]
+        diff = max(
+            float((ours[k] - p.detach()).abs().max() / p.detach().abs().max())
+            for k, p in reference.named_parameters()
+        )
+        Path(out).write_text(json.dumps({"times": times, "bytes": measured_bytes, "diff": diff}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def formula_bytes(stage: int, params: int, world: int) -> float:
+    p, g, s = 4, 4, 8
+    return {1: (p + g) * params + s * params / world,
+            2: p * params + (g + s) * params / world,
+            3: (p + g + s) * params / world}[stage]  # fmt: skip
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args("zero_vs_peers", __doc__.splitlines()[0], argv)
+    setup = QUICK if args.quick else FULL
+    try:
+        import deepspeed  # noqa: F401
+
+        names = [*OURS, *PEERS, *DEEPSPEED]
+    except ImportError:
+        print("!! DeepSpeed is not installed (pip install -e .[bench]): its rows are skipped")
+        names = [*OURS, *PEERS]
+    os.environ.setdefault("CHUNKMEM_BENCH_PORT", "29517")
+    with tempfile.TemporaryDirectory() as work:
+        store, out = f"{work}/store", f"{work}/out.json"
+        mp.spawn(rank_main, args=(setup, names, store, out), nprocs=WORLD, join=True)
+        result = json.loads(Path(out).read_text())
+    median = {name: statistics.median(ts) for name, ts in result["times"].items() if ts}
+    params = setup["config"].num_parameters()
+    formula_ratios = {
+        name: result["bytes"][name] / formula_bytes(int(name[-1]), params, WORLD) for name in OURS
+    }
+    ds3 = median.get("deepspeed_z3")
+    metrics = {
+        "stage3_step_time_ratio_vs_fsdp2": median["chunkmem_z3"] / median["fsdp2"],
+        "stage3_step_time_ratio_vs_deepspeed": median["chunkmem_z3"] / ds3 if ds3 else None,
+        "stage2_step_time_ratio_vs_ddp": median["chunkmem_z2"] / median["ddp"],
+        "model_state_bytes_ratio_vs_formula": max(formula_ratios.values()),
+        "param_max_rel_diff_vs_single_process": result["diff"],
+    }
+    rows = [
+        [name, median[name], median[name] / median["ddp"], result["bytes"].get(name) or "-"]
+        for name in names
+    ]
+    print_table(
+        f"median step seconds, GPT {setup['config'].n_layer}x{setup['config'].n_embd} "
+        f"({params:,} params), 2 gloo ranks, batch {setup['local_batch']}x"
+        f"{setup['config'].block_size} per rank",
+        ["framework", "median s", "vs DDP", "model-state bytes/rank"],
+        rows,
+    )
+    details = {
+        "model": setup["config"].__dict__,
+        "parameters": params,
+        "world_size": WORLD,
+        "median_step_seconds": median,
+        "all_step_seconds": result["times"],
+        "model_state_bytes_per_rank": result["bytes"],
+        "model_state_bytes_ratio_vs_formula_by_stage": formula_ratios,
+    }
+    path = write_results(args.json, metrics, details, args.quick)
+    print(f"\n{metrics}\nwritten to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""ZeRO stages 1-3 on 2 and 4 gloo ranks: numerics, model-state bytes, communication volume.
+
+Every rank trains its slice of a global batch; the result must equal single-process training
+on the global batch, the ledger's per-rank model-state bytes must equal the ZeRO formulas and
+the communication ledger's all-gather + reduce-scatter volume per step must equal theory.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import chunkmem
+from chunkmem.chunk import ChunkKind
+from chunkmem.errors import ConfigError
+from chunkmem.models.gpt import GPT, GPTConfig
+from tests.distributed_helpers import run_ranks
+from tests.reference import max_relative_diff, train_reference
+from zero.comm import CollectiveError
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
+LOCAL_BATCH = 2
+STEPS = 20
+CHUNK = 2048
+# (param, grad, optimizer-state) bytes per element: 16-bit compute copy + fp32 master and
+# moments, or fp32 throughout (the parameter is its own master).
+BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+MODEL_KINDS = {k.value for k in ChunkKind} - {ChunkKind.GATHERED.value}
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2}
+
+
+def global_batches(world: int, micro_batches: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    return torch.randint(
+        0, CONFIG.vocab_size, (micro_batches, world * LOCAL_BATCH, CONFIG.block_size + 1),
+        generator=generator,
+    )  # fmt: skip
+
+
+def formula(stage: int, precision: str, elements: int, world: int) -> int:
+    p, g, s = BYTES[precision]
+    if stage == 1:
+        return (p + g) * elements + s * elements // world
+    if stage == 2:
+        return p * elements + (g + s) * elements // world
+    return (p + g + s) * elements // world
+
+
+def train_rank(comm, stage: int, precision: str, accumulation: int) -> dict:
+    """One rank: train STEPS steps on its slice; report state, bytes and volume."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    engine = chunkmem.initialize(
+        model,
+        config={
+            "precision": precision,
+            "device": {"type": "simulated", "capacity": "64MiB"},
+            "chunk": {"size": CHUNK},
+            "optimizer": {"lr": 1e-3},
+            "gradient_accumulation_steps": accumulation,
+            "zero": {"stage": stage, "timeout_s": 20},
+        },
+    )
+    rows = global_batches(comm.size, STEPS * accumulation)
+    local = rows[:, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
+    measured_step = 3
+    state_bytes = None
+    for index, row in enumerate(local):
+        engine.backward(engine(row[:, :-1], row[:, 1:]))
+        if index == measured_step * accumulation + accumulation - 1:  # end of backward
+            tiers = (engine.ledger.device.by_kind, engine.ledger.host.by_kind)
+            state_bytes = sum(n for tier in tiers for k, n in tier.items() if k in MODEL_KINDS)
+        engine.step()
+    ledger = engine.manager.sharding.comm.ledger
+    layouts = engine.manager.trainable_layouts()
+    return {
+        "state": engine.state_dict(),
+        "state_bytes": state_bytes,
+        "volume": sum(
+            ledger.elements_sent(op=op, tag=measured_step)
+            for op in ("all_gather", "reduce_scatter")
+        ),
+        "elements": sum(layout.capacity for layout in layouts),
+        "used": sum(layout.used for layout in layouts),
+    }
+
+
+def reference(world: int, precision: str, accumulation: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    rows = global_batches(world, STEPS * accumulation)
+    batches = [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in rows]
+    run = train_reference(
+        copy.deepcopy(model), batches, precision=precision,
+        gradient_accumulation_steps=accumulation,
+    )  # fmt: skip
+    return run.masters
+
+
+def check(results: list[dict], stage: int, precision: str, world: int, accumulation: int) -> None:
+    expected = reference(world, precision, accumulation)
+    for rank, result in enumerate(results):
+        ours = {k: v for k, v in result["state"].items() if k in expected}
+        assert max_relative_diff(ours, expected) <= TOLERANCE[precision], f"rank {rank}"
+        elements = result["elements"]
+        # The ZeRO formulas over the chunk capacity: the parameters plus at most one chunk
+        # of padding for the (one, trainable) chunk list.
+        assert elements - result["used"] <= CHUNK
+        assert result["state_bytes"] == formula(stage, precision, elements, world)
+        passes = 3 if stage == 3 else 2
+        assert result["volume"] == passes * elements * (world - 1) // world
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_stages_match_single_process_fp32(world: int) -> None:
+    for stage in (1, 2, 3):
+        for accumulation in (1, 2):
+            results = run_ranks(
+                train_rank, world, stage, "fp32", accumulation, timeout_s=30, deadline_s=240
+            )
+            check(results, stage, "fp32", world, accumulation)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_zero_stages_match_single_process_bf16() -> None:
+    for stage in (1, 2, 3):
+        for accumulation in (1, 2):
+            results = run_ranks(
+                train_rank, 2, stage, "bf16", accumulation, timeout_s=30, deadline_s=240
+            )
+            check(results, stage, "bf16", 2, accumulation)
+
+
+def initialize_with(comm, seed_by_rank: bool, precision_by_rank: bool) -> str:
+    torch.manual_seed(comm.rank if seed_by_rank else 0)
+    precision = "bf16" if precision_by_rank and comm.rank == 1 else "fp32"
+    try:
+        chunkmem.initialize(
+            GPT(CONFIG),
+            config={
+                "precision": precision,
+                "device": {"type": "simulated", "capacity": "16MiB"},
+                "zero": {"stage": 2, "timeout_s": 20},
+            },
+        )
+    except ConfigError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_ranks_that_disagree_fail_at_initialize_on_every_rank() -> None:
+    seeds = run_ranks(initialize_with, 2, True, False, timeout_s=20)
+    assert all("initial parameter values differ" in message for message in seeds)
+    configs = run_ranks(initialize_with, 2, False, True, timeout_s=20)
+    assert all("config key 'precision'" in message for message in configs)
+
+
+def die_mid_step(comm, stage: int) -> str:
+    torch.manual_seed(0)
+    engine = chunkmem.initialize(
+        GPT(CONFIG),
+        config={
+            "device": {"type": "simulated", "capacity": "16MiB"},
+            "chunk": {"size": CHUNK},
+            "zero": {"stage": stage, "timeout_s": 5},
+        },
+    )
+    row = global_batches(comm.size, 1)[0, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
+    engine.backward(engine(row[:, :-1], row[:, 1:]))
+    engine.step()
+    loss = engine(row[:, :-1], row[:, 1:])
+    if comm.rank == 1:
+        import os
+
+        os._exit(1)  # dies between forward and backward
+    try:
+        engine.backward(loss)
+        engine.step()
+    except CollectiveError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_dead_rank_stops_the_others_with_a_named_collective(stage: int) -> None:
+    results = run_ranks(die_mid_step, 2, stage, timeout_s=5, deadline_s=60, dying_ranks=[1])
+    message = results[0]
+    assert "on group 'world'" in message and ("reduce_scatter" in message or "all_gather" in message)
