@@ -77,9 +77,10 @@ class CollectiveError(ChunkmemError, RuntimeError):
         self.elapsed_s = elapsed_s
         self.timeout_s = timeout_s
         self.cause = cause
+        stop = "" if cause.endswith((".", "!", "?")) else "."
         super().__init__(
             f"{op} on group {group!r} (ranks {list(ranks)}) failed after {elapsed_s:.1f} s: "
-            f"{cause}. A peer rank may have died or hung (the group's timeout is "
+            f"{cause}{stop} A peer rank may have died or hung (the group's timeout is "
             f"{timeout_s:g} s); the group may be unusable now, so stop training rather than "
             "retry, and read the other ranks' logs for the first failure."
         )
