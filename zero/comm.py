@@ -175,15 +175,11 @@ class Handle:
             return
         work, self._work = self._work, None
         try:
-            completed = work.wait(timeout=timedelta(seconds=self._group.timeout_s))
+            # torch's Work.wait(timeout) returns True or raises (a timeout included).
+            work.wait(timeout=timedelta(seconds=self._group.timeout_s))
         except RuntimeError as cause:
             self._error = _failure(self._op, self._group, self._launched_at, str(cause))
             raise self._error from cause
-        if completed is False:
-            self._error = _failure(
-                self._op, self._group, self._launched_at, "not completed within the timeout"
-            )
-            raise self._error
 
     def is_completed(self) -> bool:
         """True once the collective finished, with success or error; `wait` tells which."""
