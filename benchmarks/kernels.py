@@ -50,13 +50,19 @@ def _measure(numel: int, repeats: int) -> dict:
         extra = 0 if q.offsets is None else q.offsets.numel() * 4
         return q.data.numel() + q.scales.numel() * 4 + extra
 
-    def measure(op: str, dtype: torch.dtype, bits: int, nbytes: int, run_native, run_reference) -> None:
+    def measure(
+        op: str, dtype: torch.dtype, bits: int, nbytes: int, run_native, run_reference
+    ) -> None:
         anchor = torch.ones((nbytes + 1) // 2, dtype=torch.uint8)
         t = median_seconds(
-            {"native": run_native, "reference": run_reference, "clone": anchor.clone}, repeats=repeats
+            {"native": run_native, "reference": run_reference, "clone": anchor.clone},
+            repeats=repeats,
         )
         row = {
-            "op": op, "dtype": str(dtype).removeprefix("torch."), "bits": bits, "bytes_touched": nbytes,
+            "op": op,
+            "dtype": str(dtype).removeprefix("torch."),
+            "bits": bits,
+            "bytes_touched": nbytes,
             **{f"{k}_s": v for k, v in t.items()},
             **{f"{k}_GBps": nbytes / v / 1e9 for k, v in t.items()},
             "ratio_vs_memcpy": t["clone"] / t["native"],
@@ -77,23 +83,33 @@ def _measure(numel: int, repeats: int) -> dict:
             kw = dict(bits=bits, group_size=GROUP_SIZE, symmetric=True)
             q = kernels.quantize(x, **kw)
             measure(
-                "quantize", dtype, bits, numel * x.element_size() + quantized_nbytes(q),
+                "quantize",
+                dtype,
+                bits,
+                numel * x.element_size() + quantized_nbytes(q),
                 lambda x=x, kw=kw: native.quantize(x, kw["bits"], GROUP_SIZE, True),
                 lambda x=x, kw=kw: reference.quantize(x, **kw),
             )
         q = kernels.quantize(x, bits=8, group_size=GROUP_SIZE, symmetric=True)
         measure(
-            "dequantize", dtype, 8, quantized_nbytes(q) + numel * x.element_size(),
+            "dequantize",
+            dtype,
+            8,
+            quantized_nbytes(q) + numel * x.element_size(),
             lambda q=q, dtype=dtype: native.dequant_reduce([q], dtype),
             lambda q=q, dtype=dtype: reference.dequantize(q, out_dtype=dtype),
         )
         del x, q
     inputs = [
-        kernels.quantize(torch.randn(numel, generator=gen), bits=8, group_size=GROUP_SIZE, symmetric=True)
+        kernels.quantize(
+            torch.randn(numel, generator=gen), bits=8, group_size=GROUP_SIZE, symmetric=True
+        )
         for _ in range(REDUCE_INPUTS)
     ]
     measure(
-        f"dequant_reduce_requant/{REDUCE_INPUTS}", torch.float32, 8,
+        f"dequant_reduce_requant/{REDUCE_INPUTS}",
+        torch.float32,
+        8,
         (REDUCE_INPUTS + 1) * quantized_nbytes(inputs[0]),
         lambda: native.dequant_reduce_requant(inputs),
         lambda: reference.dequant_reduce_requant(inputs),
@@ -131,8 +147,20 @@ def _run_mode(mode: str, numel: int, repeats: int) -> dict:
     env.update(PAGE_MODES[mode])
     print(f"-- page mode {mode} --", flush=True)
     out = subprocess.run(
-        [sys.executable, "-m", "benchmarks.kernels", "--child", "--numel", str(numel), "--repeats", str(repeats)],
-        env=env, stdout=subprocess.PIPE, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kernels",
+            "--child",
+            "--numel",
+            str(numel),
+            "--repeats",
+            str(repeats),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
     ).stdout
     lines = out.splitlines()
     print("\n".join(lines[:-1]), flush=True)
@@ -140,11 +168,21 @@ def _run_mode(mode: str, numel: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="8M elements, 3 repeats, huge pages only")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON, help=f"result file (default {DEFAULT_JSON})")
-    parser.add_argument("--numel", type=int, help="elements per tensor (default 64M, 8M with --quick)")
-    parser.add_argument("--repeats", type=int, help="timed runs per measurement (default 5, 3 with --quick)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="8M elements, 3 repeats, huge pages only"
+    )
+    parser.add_argument(
+        "--json", type=Path, default=DEFAULT_JSON, help=f"result file (default {DEFAULT_JSON})"
+    )
+    parser.add_argument(
+        "--numel", type=int, help="elements per tensor (default 64M, 8M with --quick)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, help="timed runs per measurement (default 5, 3 with --quick)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     numel = args.numel or (8 << 20 if args.quick else 64 << 20)
@@ -160,8 +198,10 @@ def main() -> None:
     report = {
         key: headline[key]
         for key in (
-            "quantize_int8_ratio_vs_memcpy", "dequantize_int8_ratio_vs_memcpy",
-            "quant_reduce_ratio_vs_memcpy", "native_speedup_vs_reference",
+            "quantize_int8_ratio_vs_memcpy",
+            "dequantize_int8_ratio_vs_memcpy",
+            "quant_reduce_ratio_vs_memcpy",
+            "native_speedup_vs_reference",
         )
     }
     report.update(
@@ -172,15 +212,26 @@ def main() -> None:
             "int8 case over fp32 and bf16, the speedup the worst over all rows"
         ),
         page_mode="thp (THP_MEM_ALLOC_ENABLE=1)",
-        numel=numel, group_size=GROUP_SIZE, reduce_inputs=REDUCE_INPUTS, repeats=repeats,
-        quick=args.quick, cpu=_cpu_model(), cpu_count=os.cpu_count(), threads=headline["threads"],
-        torch=__import__("torch").__version__, rows=headline["rows"],
+        numel=numel,
+        group_size=GROUP_SIZE,
+        reduce_inputs=REDUCE_INPUTS,
+        repeats=repeats,
+        quick=args.quick,
+        cpu=_cpu_model(),
+        cpu_count=os.cpu_count(),
+        threads=headline["threads"],
+        torch=__import__("torch").__version__,
+        rows=headline["rows"],
     )
     if "4k" in results:
         report["default_4k_pages"] = results["4k"]
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps({k: round(v, 3) for k, v in report.items() if k.endswith(("memcpy", "reference"))}))
+    print(
+        json.dumps(
+            {k: round(v, 3) for k, v in report.items() if k.endswith(("memcpy", "reference"))}
+        )
+    )
     print(f"wrote {args.json}")
 
 

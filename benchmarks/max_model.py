@@ -75,7 +75,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     while high - low > 1:
         middle = (low + high) // 2
         results[middle] = attempt(config(middle), device_bytes, host_bytes)
-        print(f"  {middle:3d} layers: {'trains' if results[middle] else 'does not fit'}", flush=True)
+        print(
+            f"  {middle:3d} layers: {'trains' if results[middle] else 'does not fit'}", flush=True
+        )
         low, high = (middle, high) if results[middle] else (low, middle)
     if low == 0:
         raise SystemExit("even a one-layer model does not fit; raise the budgets")

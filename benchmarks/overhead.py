@@ -42,7 +42,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch, rounds = 8, 15
     model = GPT(config)
     generator = torch.Generator().manual_seed(0)
-    data = torch.randint(0, config.vocab_size, (64, batch, config.block_size + 1), generator=generator)
+    data = torch.randint(
+        0, config.vocab_size, (64, batch, config.block_size + 1), generator=generator
+    )
     stream = {name: itertools.cycle(data) for name in ("chunkmem", "torch_fused", "torch_default")}
 
     engine = chunkmem.initialize(

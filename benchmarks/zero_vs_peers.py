@@ -14,7 +14,6 @@ missing and its ratio is null, said loudly.
 
 from __future__ import annotations
 
-import copy
 import gc
 import json
 import os

@@ -206,7 +206,8 @@ class Engine:
                 self.manager.place_optimizer_states(peak)
             sharding = self.manager.sharding
             if sharding.states_sharded:
-                self.manager.reduce_remaining()  # stage 1 reduces here; 2-3 did in backward
+                if not sharding.grads_sharded_in_backward:
+                    self.manager.reduce_remaining()  # stage 1; stages 2-3 did in backward
                 self.manager.sync_grad_presence()
             found_inf, divisor = self._unscale_and_clip()
             if found_inf:

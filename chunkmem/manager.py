@@ -89,6 +89,7 @@ class ChunkManager:
         }
         self._slot_offsets: dict[int, list[int]] = {}
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._drop_later: dict[int, ChunkLayout] = {}  # gathered copies pinned when released
         self.optimizer_homes: dict[int, Tier] | None = None  # layout index -> tier
         self.repaired_grad_slots: list[str] = []
         # ZeRO gradient reduction within one backward.
@@ -140,6 +141,8 @@ class ChunkManager:
             self._create_layout_chunks(layout, tier)
         chunks = layout.chunks
         compute = chunks[self.compute_kind]
+        if compute.payload is None:  # a gathered copy dropped since the last slot was added
+            self.residency.ensure_on_device([compute])
         self.residency.ready(compute)
         compute.view(slot).copy_(original)
         for kind in (ChunkKind.PARAM, ChunkKind.MASTER):
@@ -214,6 +217,9 @@ class ChunkManager:
 
     # ------------------------------------------------------------------ moments
     def enter_moment(self, moment: Moment) -> None:
+        if self._drop_later:  # the moment that pinned them is over (the trace still at it)
+            self.residency.release_transient_pins()
+            self._drop_deferred()
         self.residency.enter_moment(moment)
 
     def after_access(self) -> None:
@@ -265,13 +271,23 @@ class ChunkManager:
 
     def _maybe_drop_gathered(self, layout: ChunkLayout) -> None:
         """Release a gathered copy once no one uses it and it is not needed again in this
-        phase (the trace says when): the other ranks' shards are gathered again next phase."""
+        phase (the trace says when): the other ranks' shards are gathered again next phase.
+        A copy pinned for the rest of the moment is looked at again when the moment ends."""
         gathered = layout.chunks[ChunkKind.GATHERED]
-        if gathered.tier is not Tier.DEVICE or not gathered.movable():
+        if gathered.tier is not Tier.DEVICE:
+            return
+        if not gathered.movable():
+            if gathered.pins:
+                self._drop_later[layout.index] = layout
             return
         if self.tracer.replaying and self.tracer.needed_again_this_phase(gathered.id):
             return
         self.residency.free_payload(gathered)
+
+    def _drop_deferred(self) -> None:
+        layouts, self._drop_later = list(self._drop_later.values()), {}
+        for layout in layouts:
+            self._maybe_drop_gathered(layout)
 
     def release_all(self, state: TensorState) -> None:
         """End of a phase: whatever is still in COMPUTE goes to ``state``."""
@@ -280,6 +296,8 @@ class ChunkManager:
             if slot.state is TensorState.COMPUTE:
                 slot.users = 0
                 slot.set_state(state)
+        if self._drop_later:
+            self._drop_deferred()
 
     def reset_states(self) -> None:
         """End of a cycle (or an aborted one): every packed tensor back to HOLD."""
@@ -354,6 +372,8 @@ class ChunkManager:
             return
         param.grad = None
         slot = self.slots[id(param)]
+        if slot.layout.index in self._in_flight:  # a late gradient: let the reduction read
+            self._complete(slot.layout)  # the chunk undisturbed, then start a fresh one
         residency = self.residency
         meter = self.device.meter
         nbytes = grad.nelement() * grad.element_size()
@@ -487,8 +507,9 @@ class ChunkManager:
         """
         for layout in self._reduction_order():
             grad = layout.chunks.get(ChunkKind.GRAD)
-            late = grad is not None and grad.tier is not None and layout.index in self._launched
-            if layout.index not in self._launched or late:
+            launched, in_flight = layout.index in self._launched, layout.index in self._in_flight
+            late = launched and not in_flight and grad is not None and grad.tier is not None
+            if not launched or late:
                 if grad is None:
                     grad = self.residency.new_chunk(
                         layout, ChunkKind.GRAD, self.compute_dtype, None
@@ -497,7 +518,6 @@ class ChunkManager:
         for layout in self._reduction_order():
             if layout.index in self._in_flight:
                 self._complete(layout)
-        self._launched.clear()
 
     def sync_grad_presence(self) -> None:
         """ZeRO: a parameter has a gradient if any rank produced one (as on the global batch)."""

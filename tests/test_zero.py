@@ -29,6 +29,10 @@ CHUNK = 2048
 BYTES = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
 MODEL_KINDS = {k.value for k in ChunkKind} - {ChunkKind.GATHERED.value}
 TOLERANCE = {"fp32": 1e-5, "bf16": 1e-2}
+# Distributed sums reassociate floating-point additions; Adam turns those last-bit differences
+# into parameter differences that grow with the learning rate (fp32 after 20 steps: 1.3e-5
+# at lr 1e-3, 1.4e-6 at 1e-4). A small learning rate keeps the check about the algorithm.
+LR = 1e-4
 
 
 def global_batches(world: int, micro_batches: int) -> torch.Tensor:
@@ -58,7 +62,7 @@ def train_rank(comm, stage: int, precision: str, accumulation: int) -> dict:
             "precision": precision,
             "device": {"type": "simulated", "capacity": "64MiB"},
             "chunk": {"size": CHUNK},
-            "optimizer": {"lr": 1e-3},
+            "optimizer": {"lr": LR},
             "gradient_accumulation_steps": accumulation,
             "zero": {"stage": stage, "timeout_s": 20},
         },
@@ -93,7 +97,7 @@ def reference(world: int, precision: str, accumulation: int) -> dict[str, torch.
     rows = global_batches(world, STEPS * accumulation)
     batches = [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in rows]
     run = train_reference(
-        copy.deepcopy(model), batches, precision=precision,
+        copy.deepcopy(model), batches, precision=precision, lr=LR,
         gradient_accumulation_steps=accumulation,
     )  # fmt: skip
     return run.masters
@@ -109,7 +113,9 @@ def check(results: list[dict], stage: int, precision: str, world: int, accumulat
         # of padding for the (one, trainable) chunk list.
         assert elements - result["used"] <= CHUNK
         assert result["state_bytes"] == formula(stage, precision, elements, world)
-        passes = 3 if stage == 3 else 2
+        # Stages 1-2: a reduce-scatter and an all-gather, the volume of one all-reduce.
+        # Stage 3: a forward and a backward all-gather per micro-batch and a reduce-scatter.
+        passes = 2 if stage < 3 else 2 * accumulation + 1
         assert result["volume"] == passes * elements * (world - 1) // world
 
 
@@ -194,4 +200,6 @@ def die_mid_step(comm, stage: int) -> str:
 def test_a_dead_rank_stops_the_others_with_a_named_collective(stage: int) -> None:
     results = run_ranks(die_mid_step, 2, stage, timeout_s=5, deadline_s=60, dying_ranks=[1])
     message = results[0]
-    assert "on group 'world'" in message and ("reduce_scatter" in message or "all_gather" in message)
+    assert "on group 'world'" in message and (
+        "reduce_scatter" in message or "all_gather" in message
+    )

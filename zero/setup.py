@@ -59,9 +59,7 @@ def check_ranks_agree(comm: Communicator, mine: dict[str, Any]) -> None:
             else:
                 problems.append(f"rank {rank}'s {key} differs from rank 0's")
     if problems:
-        raise ConfigError(
-            "data-parallel ranks disagree at initialize:\n  " + "\n  ".join(problems)
-        )
+        raise ConfigError("data-parallel ranks disagree at initialize:\n  " + "\n  ".join(problems))
 
 
 def _differing_keys(a: Any, b: Any, prefix: str = "") -> list[str]:
