@@ -34,6 +34,7 @@ from torch import Tensor
 
 from chunkmem.errors import ChunkmemError
 from zero.process_group import Group, create_group, init_world
+from zero.ring import RingWork
 
 __all__ = [
     "CollectiveError",
@@ -233,7 +234,11 @@ class Communicator:
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda: _ALL_GATHER(full, shard, group=g.process_group, async_op=True),
+            lambda: (
+                RingWork(full, shard, g.ranks, g.rank, g.process_group, reduce=False)
+                if _is_gloo(g)
+                else _ALL_GATHER(full, shard, group=g.process_group, async_op=True)
+            ),
             async_op,
         )
 
@@ -249,8 +254,12 @@ class Communicator:
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda: _REDUCE_SCATTER(
-                shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True
+            lambda: (
+                RingWork(full, shard, g.ranks, g.rank, g.process_group, reduce=True)
+                if _is_gloo(g)
+                else _REDUCE_SCATTER(
+                    shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True
+                )
             ),
             async_op,
         )
@@ -452,6 +461,11 @@ def _check_shard_and_full(op: str, group: Group, shard: Tensor, full: Tensor) ->
             f"{shard.numel()} * {group.size} = {expected} elements, got {full.numel()}; "
             f"pad the buffer to padded_numel(numel, {group.size})"
         )
+
+
+def _is_gloo(group: Group) -> bool:
+    """gloo gathers and reduce-scatters run as a point-to-point ring (see ``zero.ring``)."""
+    return dist.get_backend(group.process_group) == "gloo"
 
 
 def _object_device(group: Group) -> torch.device:
