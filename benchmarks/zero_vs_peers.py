@@ -84,12 +84,13 @@ def build(name: str, setup: dict):
             engine.backward(loss)
             # Model states at the end of backward, where the ZeRO formulas count gradients.
             ledger = engine.ledger
-            engine.state_bytes_after_backward = sum(
+            after_backward["bytes"] = sum(
                 ledger.device.by_kind[k] + ledger.host.by_kind[k] for k in STATE_KINDS
             )
             engine.step()
 
-        return step, engine
+        after_backward: dict[str, int] = {}
+        return step, (engine, after_backward)
     if name == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -134,7 +135,7 @@ def build(name: str, setup: dict):
 
 def state_bytes(name: str, state) -> int | None:
     """Per-rank model-state bytes from our ledger (other frameworks cannot say exactly)."""
-    return state.state_bytes_after_backward if name.startswith("chunkmem") else None
+    return state[1]["bytes"] if name.startswith("chunkmem") else None
 
 
 def rank_main(rank: int, setup: dict, names: list[str], store: str, out: str) -> None:
@@ -165,7 +166,7 @@ def rank_main(rank: int, setup: dict, names: list[str], store: str, out: str) ->
                     times[name].append(time.perf_counter() - started)
             measured_bytes[name] = state_bytes(name, state)
             if name == "chunkmem_z3" and round_index == 0:
-                final_states[name] = state.state_dict()
+                final_states[name] = state[0].state_dict()
             del step, state
             gc.collect()
     if rank == 0:

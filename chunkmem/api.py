@@ -25,6 +25,8 @@ from chunkmem.tracer import Tracer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIGNMENT = 64  # elements: every chunk is a whole number of cache lines in any dtype
+_MIN_CHUNKS = 16
+_MAX_CHUNK_ELEMENTS = 1 << 25  # 32 Mi elements, PatrickStar's default chunk
 
 
 def initialize(
@@ -158,14 +160,31 @@ def _chunk_size(
         padding = padding_for(trainable_numels, size) + padding_for(frozen_numels, size)
         oversized = sum(1 for n in trainable_numels + frozen_numels if n > size)
         return ChunkSizeChoice(size, padding, sum(trainable_numels + frozen_numels), oversized, 1)
-    max_size = int(capacity * config.chunk.max_fraction_of_capacity) // dtype.itemsize
     # Trainable and frozen parameters fill separate chunk lists; search on the larger one.
     numels = trainable_numels if sum(trainable_numels) >= sum(frozen_numels) else frozen_numels
+    # Bounded by device capacity, and small enough that the model spans several chunks (the
+    # unit of moving, of overlapping reduce-scatters with backward and of gathering), but
+    # with room for a few of the largest ordinary tensors so padding can stay small. Outliers
+    # (an embedding far above the rest) get chunks of their own and do not set the bound.
+    max_size = min(
+        int(capacity * config.chunk.max_fraction_of_capacity) // dtype.itemsize,
+        max(sum(numels) // _MIN_CHUNKS, 4 * _largest_ordinary(numels)),
+        _MAX_CHUNK_ELEMENTS,
+    )
     choice = search_chunk_size(numels, max(max_size, alignment), alignment)
     padding = padding_for(trainable_numels, choice.size) + padding_for(frozen_numels, choice.size)
     oversized = sum(1 for n in trainable_numels + frozen_numels if n > choice.size)
     total = sum(trainable_numels) + sum(frozen_numels)
     return ChunkSizeChoice(choice.size, padding, total, oversized, choice.candidates_tried)
+
+
+def _largest_ordinary(numels: list[int]) -> int:
+    """The largest tensor within three standard deviations of the mean size."""
+    if not numels:
+        return 1
+    mean = sum(numels) / len(numels)
+    spread = (sum((n - mean) ** 2 for n in numels) / len(numels)) ** 0.5
+    return max(n for n in numels if n <= mean + 3 * spread)
 
 
 def _check_capacity(

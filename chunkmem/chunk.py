@@ -127,6 +127,7 @@ class Chunk:
         self._all_views: list[torch.Tensor] | None = None
         self.pins = 0  # users outside the tensor-state machine (optimizer, gradient writes)
         self.pending_event: object | None = None  # an async copy the payload waits for
+        self.arriving: object | None = None  # a collective filling the payload (``wait()``)
 
     def __repr__(self) -> str:
         tier = self.tier.value if self.tier else "unallocated"

@@ -90,6 +90,7 @@ class ChunkManager:
         self._slot_offsets: dict[int, list[int]] = {}
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._drop_later: dict[int, ChunkLayout] = {}  # gathered copies pinned when released
+        self._gathering: list[Chunk] = []  # parameter chunks being all-gathered after the step
         self.optimizer_homes: dict[int, Tier] | None = None  # layout index -> tier
         self.repaired_grad_slots: list[str] = []
         # ZeRO gradient reduction within one backward.
@@ -203,11 +204,29 @@ class ChunkManager:
             for slot in chunk.layout.slots:
                 self._unbind(slot)
 
-    def fill_gathered(self, chunk: Chunk, protect: set[int]) -> None:
+    def fill_gathered(self, chunk: Chunk, protect: set[int], async_op: bool) -> None:
         """All-gather the layout's parameter shards into its gathered chunk."""
         shard = chunk.layout.chunks[ChunkKind.PARAM]
         self.residency.ensure_on_device([shard])
-        self.sharding.all_gather(shard.payload, chunk.payload)
+        handle = self.sharding.all_gather(shard.payload, chunk.payload, async_op=async_op)
+        if async_op:
+            chunk.arriving = handle
+
+    def _prefetch_gathered(self) -> None:
+        """ZeRO-3: start gathering the layouts the next traced moment needs, so the all-gather
+        overlaps this moment's compute. Driven by the trace alone, so every rank issues the
+        same gathers in the same order."""
+        for _index, accessed in self.tracer.upcoming(1):
+            for chunk_id, tier in accessed.items():
+                chunk = self.chunks.get(chunk_id)
+                if chunk is None or chunk.kind is not ChunkKind.GATHERED or tier is not Tier.DEVICE:
+                    continue
+                if chunk.tier is Tier.DEVICE:
+                    continue
+                self.residency.make_room(chunk.nbytes, {chunk.id}, "prefetch")
+                self.residency.allocate_payload(chunk, Tier.DEVICE, zeroed=False)
+                self.fill_gathered(chunk, {chunk.id}, async_op=True)
+                self.chunk_arrived(chunk)
 
     def bind_layout(self, layout: ChunkLayout) -> None:
         """Rebind a layout's parameters after its slots were rewritten on the device."""
@@ -224,6 +243,8 @@ class ChunkManager:
 
     def after_access(self) -> None:
         self.residency.after_access()
+        if self.sharding.params_sharded and self.tracer.replaying:
+            self._prefetch_gathered()
 
     # ------------------------------------------------------------------ access / release
     def _slot_for_access(self, param: torch.nn.Parameter) -> TensorSlot:
@@ -462,6 +483,7 @@ class ChunkManager:
             span = self.sharding.shard(layout)
             shard = self.residency.new_chunk(layout, ChunkKind.GRAD_SHARD, grad.dtype, None, span)
         self.residency.ensure_on_device([grad])
+        self._zero_unwritten(grad)
         first = shard.tier is None
         self.residency.ensure_on_device([shard])
         target = shard.payload
@@ -478,6 +500,16 @@ class ChunkManager:
         self._in_flight[layout.index] = (handle, late)
         if not async_op:
             self._complete(layout)
+
+    @staticmethod
+    def _zero_unwritten(grad: Chunk) -> None:
+        """Gradient chunks are allocated without zeroing: before they are summed across
+        ranks, zero the slots no gradient wrote since the last reduction, and the padding."""
+        layout = grad.layout
+        for slot in layout.slots:
+            if slot.grad_contributions == slot.grad_reduced:
+                grad.span(slot, 0, slot.numel).zero_()
+        grad.payload[layout.used :].zero_()
 
     def _complete(self, layout: ChunkLayout) -> None:
         handle, late = self._in_flight.pop(layout.index)
@@ -652,18 +684,28 @@ class ChunkManager:
             chunk.pins -= 1
 
     def gather_updated_params(self, layout: ChunkLayout) -> None:
-        """Stages 1-2: every rank updated its shard of the parameters; all-gather the rest."""
+        """Stages 1-2: every rank updated its shard of the parameters; all-gather the rest.
+
+        Asynchronous: the gather overlaps the next layouts' updates; the chunk is pinned and
+        waits for it before anyone reads it (``Residency.ready``), and ``finish_step``
+        completes what is left.
+        """
         param = layout.chunks[ChunkKind.PARAM]
         self.residency.ensure_on_device([param])
         start, numel = self.sharding.shard(layout)
-        staging = self.residency.allocate_workspace(numel, param.dtype, Tier.DEVICE, {param.id})
-        try:
-            staging.copy_(param.payload[start : start + numel])
-            param.pins += 1
-            self.sharding.all_gather(staging, param.payload)
-        finally:
+        # In place: this rank's shard is already in its slot of the chunk.
+        param.pins += 1
+        param.arriving = self.sharding.all_gather(
+            param.payload[start : start + numel], param.payload, async_op=True
+        )
+        self._gathering.append(param)
+
+    def finish_step(self) -> None:
+        """Wait for the parameter gathers the step launched."""
+        for param in self._gathering:
+            self.residency.ready(param)
             param.pins -= 1
-            self.residency.free_workspace(staging, Tier.DEVICE)
+        self._gathering.clear()
 
     # ------------------------------------------------------------------ reading values
     def layout_values(self, layout: ChunkLayout) -> torch.Tensor:

@@ -99,12 +99,15 @@ class ChunkAdam:
         manager = self.manager
         sharding = manager.sharding
         divisor = grad_divisor * sharding.world_size
-        for layout in manager.trainable_layouts():
-            pieces = owned_pieces(layout, manager.state_span(layout))
-            if pieces:
-                self._step_layout(layout, pieces, divisor)
-            if sharding.states_sharded and not sharding.params_sharded:
-                manager.gather_updated_params(layout)
+        try:
+            for layout in manager.trainable_layouts():
+                pieces = owned_pieces(layout, manager.state_span(layout))
+                if pieces:
+                    self._step_layout(layout, pieces, divisor)
+                if sharding.states_sharded and not sharding.params_sharded:
+                    manager.gather_updated_params(layout)
+        finally:
+            manager.finish_step()
 
     def _step_layout(self, layout: ChunkLayout, pieces: list[Piece], divisor: float) -> None:
         manager = self.manager

@@ -30,7 +30,7 @@ class ResidencyListener(Protocol):
     def chunk_leaving(self, chunk: Chunk) -> None:
         """``chunk``'s device payload is about to go (unbind its parameters)."""
 
-    def fill_gathered(self, chunk: Chunk, protect: set[int]) -> None:
+    def fill_gathered(self, chunk: Chunk, protect: set[int], async_op: bool) -> None:
         """Give a gathered chunk its content (ZeRO-3: all-gather the shards)."""
 
 
@@ -76,15 +76,16 @@ class Residency:
             self.allocate_payload(chunk, tier)
         return chunk
 
-    def allocate_payload(self, chunk: Chunk, tier: Tier) -> None:
-        """Give a chunk without payload a zeroed one on ``tier``; no bytes move."""
+    def allocate_payload(self, chunk: Chunk, tier: Tier, zeroed: bool = True) -> None:
+        """Give a chunk without payload one on ``tier``; no bytes move. ``zeroed=False`` for
+        a payload the caller overwrites entirely (a gather or reduce-scatter target)."""
         what = f"a {chunk.kind.value} chunk"
         self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
         if tier is Tier.DEVICE:
-            payload = self.device.empty(chunk.numel, chunk.dtype).zero_()
+            payload = self.device.empty(chunk.numel, chunk.dtype)
         else:
-            payload = self.device.host_empty(chunk.numel, chunk.dtype).zero_()
-        self._set_payload(chunk, payload, tier)
+            payload = self.device.host_empty(chunk.numel, chunk.dtype)
+        self._set_payload(chunk, payload.zero_() if zeroed else payload, tier)
 
     def free_payload(self, chunk: Chunk) -> None:
         """Drop a chunk's payload: its content is dead (gradients after the step, a gathered
@@ -124,7 +125,10 @@ class Residency:
         return self._device_storage.get(tensor.untyped_storage().data_ptr())
 
     def ready(self, chunk: Chunk) -> None:
-        """Wait for an async copy into the chunk's payload, if one is in flight."""
+        """Wait for an async copy or collective into the chunk's payload, if one is in flight."""
+        if chunk.arriving is not None:
+            arriving, chunk.arriving = chunk.arriving, None
+            arriving.wait()  # type: ignore[attr-defined]
         if chunk.pending_event is not None:
             if chunk.tier is Tier.DEVICE:
                 self.device.wait(chunk.pending_event)
@@ -248,11 +252,13 @@ class Residency:
         self.make_room(chunk.nbytes, protect, reason)
         if chunk.kind is ChunkKind.GATHERED:
             assert self.listener is not None
-            self.allocate_payload(chunk, Tier.DEVICE)
-            self.listener.fill_gathered(chunk, protect | {chunk.id})
+            self.allocate_payload(chunk, Tier.DEVICE, zeroed=False)
+            self.listener.fill_gathered(chunk, protect | {chunk.id}, async_op=False)
             self.listener.chunk_arrived(chunk)
         elif chunk.tier is None:
-            self.allocate_payload(chunk, Tier.DEVICE)
+            # Gradient chunks are written before they are read; the reduction zeroes what no
+            # gradient wrote (see ChunkManager._reduce).
+            self.allocate_payload(chunk, Tier.DEVICE, zeroed=chunk.kind is not ChunkKind.GRAD)
         else:
             self.move(chunk, Tier.DEVICE, reason)
 
@@ -316,6 +322,13 @@ class Residency:
         self.evict_for(0, budget, protect=set(), reason="evict")
         if all_resident:
             return
+        # Chunks this moment still brings in after the access (gradient chunks written by
+        # backward) keep their room: a prefetch must not be what they evict.
+        reserved = sum(
+            self.chunks[c].nbytes
+            for c, tier in self.tracer.current_accesses().items()
+            if tier is Tier.DEVICE and c in self.chunks and self.chunks[c].tier is not Tier.DEVICE
+        )
         for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
             chunk = self.chunks.get(chunk_id)
             if chunk is None or chunk.tier is not Tier.HOST:
@@ -323,8 +336,9 @@ class Residency:
             window_budget = self.placement.chunk_budget(
                 self.tracer, self.static_device_bytes(), moments_ahead=ahead
             )
-            if self._resident_bytes + chunk.nbytes > window_budget or not self.ledger.would_fit(
-                "device", chunk.nbytes
+            needed = reserved + chunk.nbytes
+            if self._resident_bytes + needed > window_budget or not self.ledger.would_fit(
+                "device", needed
             ):
                 break
             self.move(chunk, Tier.DEVICE, "prefetch")

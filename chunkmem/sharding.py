@@ -54,8 +54,11 @@ class Sharding:
         size = layout.capacity // self.world_size
         return self.rank * size, size
 
-    def all_gather(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+    def all_gather(
+        self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False
+    ) -> Waitable:
         full.copy_(shard)
+        return _Done()
 
     def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Waitable:
         shard.copy_(full)

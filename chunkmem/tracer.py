@@ -213,6 +213,12 @@ class Tracer:
         assert self.replay is not None
         return self.replay.next_device_use(chunk_id, self.index)
 
+    def current_accesses(self) -> dict[int, Tier]:
+        """What the replayed trace says the current moment accesses."""
+        if self.replay is None or not 0 <= self.index < len(self.replay):
+            return {}
+        return self.replay.accesses[self.index]
+
     def needed_again_this_phase(self, chunk_id: int) -> bool:
         """Whether the replayed trace uses the chunk again before the phase changes."""
         assert self.replay is not None

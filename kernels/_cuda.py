@@ -22,8 +22,17 @@ CUDA_LIB_ENV = "CHUNKMEM_KERNELS_CUDA_LIB"
 # [Note: nvcc flags] The same bits as the CPU library and the reference: no FMA contraction,
 # denormals kept, IEEE division; -ffp-contract=off for the host side of the same header.
 NVCC_FLAGS = [
-    "--std=c++17", "-O3", "-shared", "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off",
-    "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true",
+    "--std=c++17",
+    "-O3",
+    "-shared",
+    "-Xcompiler",
+    "-fPIC",
+    "-Xcompiler",
+    "-ffp-contract=off",
+    "--fmad=false",
+    "--ftz=false",
+    "--prec-div=true",
+    "--prec-sqrt=true",
 ]
 
 

@@ -34,8 +34,15 @@ _STATUS = {1: "invalid argument", 2: "out of memory", 3: "CUDA error"}
 # -fno-trapping-math only lets g++ if-convert (and so vectorise) the selects in loops; it changes no
 # result. -march=native is why the CPU model is part of the cache key.
 CPU_FLAGS = [
-    "-std=c++17", "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
-    "-ffp-contract=off", "-fno-trapping-math", "-Wall",
+    "-std=c++17",
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fPIC",
+    "-shared",
+    "-ffp-contract=off",
+    "-fno-trapping-math",
+    "-Wall",
 ]
 
 _i32, _i64, _ptr = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p
@@ -92,7 +99,12 @@ class NativeKernels:
             )
 
     def _empty_quantized(
-        self, numel: int, bits: int, group_size: int, symmetric: bool, dtype: torch.dtype,
+        self,
+        numel: int,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
+        dtype: torch.dtype,
         device: torch.device,
     ) -> QuantizedTensor:
         groups = num_groups(numel, group_size)
@@ -100,27 +112,59 @@ class NativeKernels:
             data=torch.empty(data_nbytes(numel, bits), dtype=torch.uint8, device=device),
             scales=torch.empty(groups, dtype=torch.float32, device=device),
             offsets=None if symmetric else torch.empty(groups, dtype=torch.float32, device=device),
-            numel=numel, bits=bits, group_size=group_size, symmetric=symmetric, dtype=dtype,
+            numel=numel,
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
+            dtype=dtype,
         )
 
-    def quantize(self, x: torch.Tensor, bits: int, group_size: int, symmetric: bool) -> QuantizedTensor:
+    def quantize(
+        self, x: torch.Tensor, bits: int, group_size: int, symmetric: bool
+    ) -> QuantizedTensor:
         out = self._empty_quantized(x.numel(), bits, group_size, symmetric, x.dtype, x.device)
         self._call(
-            "quantize", x.device, _addr(x), DTYPE_CODES[x.dtype], x.numel(), bits, group_size,
-            int(symmetric), _addr(out.data), _addr(out.scales), _addr(out.offsets),
+            "quantize",
+            x.device,
+            _addr(x),
+            DTYPE_CODES[x.dtype],
+            x.numel(),
+            bits,
+            group_size,
+            int(symmetric),
+            _addr(out.data),
+            _addr(out.scales),
+            _addr(out.offsets),
         )
         return out
 
     def swizzled_quantize(
-        self, x: torch.Tensor, nodes: int, devices_per_node: int, slice_numel: int, bits: int,
-        group_size: int, symmetric: bool,
+        self,
+        x: torch.Tensor,
+        nodes: int,
+        devices_per_node: int,
+        slice_numel: int,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
     ) -> QuantizedTensor:
         numel = nodes * devices_per_node * slice_numel
         out = self._empty_quantized(numel, bits, group_size, symmetric, x.dtype, x.device)
         self._call(
-            "swizzled_quantize", x.device, _addr(x), DTYPE_CODES[x.dtype], x.numel(), nodes,
-            devices_per_node, slice_numel, bits, group_size, int(symmetric), _addr(out.data),
-            _addr(out.scales), _addr(out.offsets),
+            "swizzled_quantize",
+            x.device,
+            _addr(x),
+            DTYPE_CODES[x.dtype],
+            x.numel(),
+            nodes,
+            devices_per_node,
+            slice_numel,
+            bits,
+            group_size,
+            int(symmetric),
+            _addr(out.data),
+            _addr(out.scales),
+            _addr(out.offsets),
         )
         return out
 
@@ -136,8 +180,15 @@ class NativeKernels:
         first = inputs[0]
         out = torch.empty(first.numel, dtype=out_dtype, device=first.device)
         self._call(
-            "dequant_reduce", first.device, *self._input_arrays(inputs), first.numel, first.bits,
-            first.group_size, int(first.symmetric), _addr(out), DTYPE_CODES[out_dtype],
+            "dequant_reduce",
+            first.device,
+            *self._input_arrays(inputs),
+            first.numel,
+            first.bits,
+            first.group_size,
+            int(first.symmetric),
+            _addr(out),
+            DTYPE_CODES[out_dtype],
         )
         return out
 
@@ -147,9 +198,16 @@ class NativeKernels:
             first.numel, first.bits, first.group_size, first.symmetric, first.dtype, first.device
         )
         self._call(
-            "dequant_reduce_requant", first.device, *self._input_arrays(inputs), first.numel,
-            first.bits, first.group_size, int(first.symmetric), _addr(out.data),
-            _addr(out.scales), _addr(out.offsets),
+            "dequant_reduce_requant",
+            first.device,
+            *self._input_arrays(inputs),
+            first.numel,
+            first.bits,
+            first.group_size,
+            int(first.symmetric),
+            _addr(out.data),
+            _addr(out.scales),
+            _addr(out.offsets),
         )
         return out
 

@@ -104,7 +104,9 @@ def _kernels_for(device: torch.device, backend: Backend | None) -> NativeKernels
     if backend not in ("cpu", "cuda"):
         raise ValueError(f"backend must be 'reference', 'cpu', 'cuda' or None, got {backend!r}")
     if device.type != backend:
-        raise ValueError(f"backend={backend!r} cannot run tensors on {device}; move them or pass backend=None")
+        raise ValueError(
+            f"backend={backend!r} cannot run tensors on {device}; move them or pass backend=None"
+        )
     try:
         return _library(backend)
     except BuildError as e:
@@ -131,8 +133,14 @@ def dequantize(
 
 
 def swizzled_quantize(
-    x: torch.Tensor, *, nodes: int, devices_per_node: int, bits: int, group_size: int,
-    symmetric: bool, backend: Backend | None = None,
+    x: torch.Tensor,
+    *,
+    nodes: int,
+    devices_per_node: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    backend: Backend | None = None,
 ) -> QuantizedTensor:
     """Quantize x for the hierarchical reduce-scatter of qgZ (docs/kernels.md, "Swizzle").
 
@@ -149,11 +157,17 @@ def swizzled_quantize(
     kernels = _kernels_for(x.device, backend)
     if kernels is None:
         return reference.swizzled_quantize(
-            x, nodes=nodes, devices_per_node=devices_per_node, bits=bits,
-            group_size=group_size, symmetric=symmetric,
+            x,
+            nodes=nodes,
+            devices_per_node=devices_per_node,
+            bits=bits,
+            group_size=group_size,
+            symmetric=symmetric,
         )
     s = slice_numel(x.numel(), nodes * devices_per_node, group_size)
-    return kernels.swizzled_quantize(x, nodes, devices_per_node, s, bits, group_size, bool(symmetric))
+    return kernels.swizzled_quantize(
+        x, nodes, devices_per_node, s, bits, group_size, bool(symmetric)
+    )
 
 
 def dequant_reduce_requant(
@@ -169,7 +183,9 @@ def dequant_reduce_requant(
 
 
 def dequant_reduce(
-    inputs: list[QuantizedTensor], *, out_dtype: torch.dtype = torch.float32,
+    inputs: list[QuantizedTensor],
+    *,
+    out_dtype: torch.dtype = torch.float32,
     backend: Backend | None = None,
 ) -> torch.Tensor:
     """Dequantize inputs of one layout and sum them in fp32 in list order, as `out_dtype`

@@ -101,7 +101,11 @@ class QuantizedTensor:
             expected.append(("offsets", self.offsets, torch.float32, groups))
         for name, t, dtype, n in expected:
             if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.dim() != 1:
-                got = f"{t.dtype} with shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                got = (
+                    f"{t.dtype} with shape {tuple(t.shape)}"
+                    if isinstance(t, torch.Tensor)
+                    else type(t).__name__
+                )
                 raise TypeError(f"QuantizedTensor.{name} must be a 1-D {dtype} tensor, got {got}")
             if t.numel() != n:
                 raise ValueError(
@@ -139,7 +143,9 @@ class QuantizedTensor:
             QuantizedTensor(
                 data=self.data[i * nbytes : (i + 1) * nbytes],
                 scales=self.scales[i * groups : (i + 1) * groups],
-                offsets=None if self.offsets is None else self.offsets[i * groups : (i + 1) * groups],
+                offsets=None
+                if self.offsets is None
+                else self.offsets[i * groups : (i + 1) * groups],
                 numel=numel,
                 bits=self.bits,
                 group_size=self.group_size,

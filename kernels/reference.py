@@ -62,8 +62,14 @@ def quantize_fp32(
     if n == 0:
         empty = torch.empty(0, dtype=torch.float32, device=device)
         return QuantizedTensor(
-            torch.empty(0, dtype=torch.uint8, device=device), empty,
-            None if symmetric else empty.clone(), 0, bits, group_size, symmetric, dtype,
+            torch.empty(0, dtype=torch.uint8, device=device),
+            empty,
+            None if symmetric else empty.clone(),
+            0,
+            bits,
+            group_size,
+            symmetric,
+            dtype,
         )
     # Pad the short last group with copies of its last element: no statistic changes.
     pad = groups * group_size - n
@@ -111,7 +117,10 @@ def dequantize_fp32(q: QuantizedTensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, *, bits: int, group_size: int, symmetric: bool) -> QuantizedTensor:
     return quantize_fp32(
         x.reshape(-1).to(torch.float32),
-        bits=bits, group_size=group_size, symmetric=symmetric, dtype=x.dtype,
+        bits=bits,
+        group_size=group_size,
+        symmetric=symmetric,
+        dtype=x.dtype,
     )
 
 
@@ -120,7 +129,12 @@ def dequantize(q: QuantizedTensor, *, out_dtype: torch.dtype | None = None) -> t
 
 
 def swizzled_quantize(
-    x: torch.Tensor, *, nodes: int, devices_per_node: int, bits: int, group_size: int,
+    x: torch.Tensor,
+    *,
+    nodes: int,
+    devices_per_node: int,
+    bits: int,
+    group_size: int,
     symmetric: bool,
 ) -> QuantizedTensor:
     """Zero-pad x to world = nodes * devices_per_node slices of slice_numel(...) elements
@@ -131,7 +145,11 @@ def swizzled_quantize(
     s = slice_numel(x.numel(), world, group_size)
     padded = torch.zeros(world * s, dtype=torch.float32, device=x.device)
     padded[: x.numel()] = x.reshape(-1)
-    order = [node * devices_per_node + local for local in range(devices_per_node) for node in range(nodes)]
+    order = [
+        node * devices_per_node + local
+        for local in range(devices_per_node)
+        for node in range(nodes)
+    ]
     swizzled = padded.view(world, s)[order].flatten()
     return quantize_fp32(
         swizzled, bits=bits, group_size=group_size, symmetric=symmetric, dtype=x.dtype
@@ -148,8 +166,11 @@ def _sum_fp32(inputs: list[QuantizedTensor]) -> torch.Tensor:
 def dequant_reduce_requant(inputs: list[QuantizedTensor]) -> QuantizedTensor:
     first = inputs[0]
     return quantize_fp32(
-        _sum_fp32(inputs), bits=first.bits, group_size=first.group_size,
-        symmetric=first.symmetric, dtype=first.dtype,
+        _sum_fp32(inputs),
+        bits=first.bits,
+        group_size=first.group_size,
+        symmetric=first.symmetric,
+        dtype=first.dtype,
     )
 
 
@@ -157,4 +178,3 @@ def dequant_reduce(
     inputs: list[QuantizedTensor], *, out_dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     return _sum_fp32(inputs).to(out_dtype)
-

@@ -199,6 +199,12 @@ class Communicator:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
         self._groups = {world.name: world}
+        self._rings = 0
+
+    def _ring_tag(self) -> int:
+        """A message tag per ring collective; every rank issues rings in the same order."""
+        self._rings += 1
+        return self._rings
 
     @property
     def rank(self) -> int:
@@ -235,7 +241,15 @@ class Communicator:
             full,
             numel * (g.size - 1) // g.size,
             lambda: (
-                RingWork(full, shard, g.ranks, g.rank, g.process_group, reduce=False)
+                RingWork(
+                    full,
+                    shard,
+                    g.ranks,
+                    g.rank,
+                    g.process_group,
+                    reduce=False,
+                    tag=self._ring_tag(),
+                )
                 if _is_gloo(g)
                 else _ALL_GATHER(full, shard, group=g.process_group, async_op=True)
             ),
@@ -255,7 +269,9 @@ class Communicator:
             full,
             numel * (g.size - 1) // g.size,
             lambda: (
-                RingWork(full, shard, g.ranks, g.rank, g.process_group, reduce=True)
+                RingWork(
+                    full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=self._ring_tag()
+                )
                 if _is_gloo(g)
                 else _REDUCE_SCATTER(
                     shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True

@@ -8,7 +8,9 @@ sending one n-th of the buffer per step to its right neighbour, so the volume ma
 ledger's ``numel * (n-1) / n`` exactly. NCCL keeps its native collectives.
 
 A launched ring issues its first step at once (with 2 ranks that is the whole exchange, so it
-overlaps with whatever the caller does next); further steps run in ``wait``.
+overlaps with whatever the caller does next); further steps run in ``wait``. Each ring sends
+under its own tag: with several rings in flight, ranks may finish them in different orders,
+and untagged messages between the same pair would be matched to the wrong ring.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class RingWork:
         rank: int,
         process_group: object,
         reduce: bool,
+        tag: int,
     ) -> None:
         self._full = full
         self._shard = shard
@@ -37,6 +40,7 @@ class RingWork:
         self._rank = rank
         self._group = process_group
         self._reduce = reduce
+        self._tag = tag
         size = len(ranks)
         self._n = shard.numel()
         self._step = 0
@@ -65,8 +69,8 @@ class RingWork:
             receive = self._segment(self._full, rank - step - 1)
         return dist.batch_isend_irecv(
             [
-                dist.P2POp(dist.isend, send.contiguous(), right, self._group),
-                dist.P2POp(dist.irecv, receive, left, self._group),
+                dist.P2POp(dist.isend, send.contiguous(), right, self._group, self._tag),
+                dist.P2POp(dist.irecv, receive, left, self._group, self._tag),
             ]
         )
 

@@ -27,8 +27,10 @@ class ZeroSharding(Sharding):
         self.world_size = comm.size
         self.rank = comm.rank
 
-    def all_gather(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        self.comm.all_gather(shard, full)
+    def all_gather(
+        self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False
+    ) -> Waitable:
+        return self.comm.all_gather(shard, full, async_op=async_op)
 
     def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Waitable:
         return self.comm.reduce_scatter(full, shard, async_op=async_op)
