@@ -171,7 +171,9 @@ def _chunk_size(
         max(sum(numels) // _MIN_CHUNKS, 4 * _largest_ordinary(numels)),
         _MAX_CHUNK_ELEMENTS,
     )
-    choice = search_chunk_size(numels, max(max_size, alignment), alignment)
+    choice = search_chunk_size(
+        numels, max(max_size, alignment), alignment, min_size=_largest_ordinary(numels)
+    )
     padding = padding_for(trainable_numels, choice.size) + padding_for(frozen_numels, choice.size)
     oversized = sum(1 for n in trainable_numels + frozen_numels if n > choice.size)
     total = sum(trainable_numels) + sum(frozen_numels)

@@ -57,9 +57,15 @@ def padding_for(numels: Sequence[int], size: int) -> int:
 
 
 def search_chunk_size(
-    numels: Sequence[int], max_size: int, alignment: int = _ALIGNMENT_ELEMENTS
+    numels: Sequence[int],
+    max_size: int,
+    alignment: int = _ALIGNMENT_ELEMENTS,
+    min_size: int | None = None,
 ) -> ChunkSizeChoice:
-    """The chunk size in ``[largest tensor, max_size]`` that wastes the least padding.
+    """The chunk size in ``[min_size, max_size]`` that wastes the least padding.
+
+    ``min_size`` defaults to the largest tensor that fits under ``max_size``; a smaller one
+    lets outliers (an embedding) take chunks of their own instead of setting the size.
 
     Candidates are every multiple of ``alignment`` in range when there are few of them, else a
     dense geometric sweep plus the exact sizes of runs of consecutive tensors (where padding is
@@ -70,7 +76,8 @@ def search_chunk_size(
     max_size = max(_round_up(max_size, alignment), alignment)
     total = sum(numels)
     fitting = [n for n in numels if n <= max_size]
-    low = max(_round_up(max(fitting, default=1), alignment), _MIN_CHUNK_ELEMENTS)
+    smallest = max(fitting, default=1) if min_size is None else min_size
+    low = max(_round_up(smallest, alignment), _MIN_CHUNK_ELEMENTS)
     low = min(low, max_size)
     candidates = _candidates(fitting, low, max_size, alignment)
     best: tuple[int, int] | None = None  # (padding, -size)
