@@ -27,7 +27,6 @@ class ChunkKind(FastHashEnum):
     EXP_AVG_SQ = "exp_avg_sq"
 
 
-OPTIMIZER_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 # Placed on the fly by the placement policy; optimizer states have a fixed home instead.
 DYNAMIC_KINDS = frozenset(
     {ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.GRAD_SHARD, ChunkKind.GATHERED}

@@ -75,10 +75,6 @@ class ActivationCounter:
             self._meter.remove(entry[1])
             self._residency.account_nonmodel()  # never raises: it runs while graphs are freed
 
-    @property
-    def live_bytes(self) -> int:
-        return sum(nbytes for _refs, nbytes in self._storages.values())
-
 
 class _SavedActivation:
     __slots__ = ("tensor", "_key", "_counter")

@@ -30,18 +30,6 @@ class DynamicLossScaler:
             self.scale *= self._config.growth_factor
             self._good_steps = 0
 
-    def state_dict(self) -> dict[str, float | int]:
-        return {
-            "scale": self.scale,
-            "good_steps": self._good_steps,
-            "skipped_steps": self.skipped_steps,
-        }
-
-    def load_state_dict(self, state: dict[str, float | int]) -> None:
-        self.scale = float(state["scale"])
-        self._good_steps = int(state["good_steps"])
-        self.skipped_steps = int(state["skipped_steps"])
-
 
 class StaticLossScale:
     """fp32/bf16 training: the loss is never scaled and no step is ever skipped for it."""
@@ -50,10 +38,4 @@ class StaticLossScale:
     skipped_steps = 0
 
     def update(self, found_inf: bool) -> None:
-        return None
-
-    def state_dict(self) -> dict[str, float | int]:
-        return {"scale": 1.0}
-
-    def load_state_dict(self, state: dict[str, float | int]) -> None:
         return None

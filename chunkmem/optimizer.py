@@ -274,12 +274,6 @@ class ChunkAdam:
         sharding.all_reduce_sum(squares)
         return math.sqrt(float(squares)) / sharding.world_size
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "param_groups": [dict(g) for g in self.param_groups],
-            "steps": {slot.name: float(t) for slot, t in self.step_counts.items()},
-        }
-
 
 Piece = tuple[TensorSlot, int, int]  # a slot and a range of its flat elements
 

@@ -61,6 +61,7 @@ def build_memory_trace(engine: Engine) -> dict[str, Any]:
         "moves_dropped": ledger.moves_dropped,
         "allocations_recorded": len(ledger.allocations),
         "allocations_dropped": ledger.allocations_dropped,
+        "moment_samples_dropped": ledger.moment_samples_dropped,
         "bytes_moved": [
             {
                 "iteration": iteration,
