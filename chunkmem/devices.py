@@ -88,6 +88,11 @@ class ComputeDevice(abc.ABC):
     def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:
         """Start copying ``device_tensor`` into ``host``; returns an event to wait on."""
 
+    def release(self, buffer: torch.Tensor) -> None:
+        """``buffer`` (from ``empty`` or ``host_empty``) is no longer needed. CUDA's caching
+        allocator reuses freed blocks by itself; the simulated device keeps them (below)."""
+        return None
+
     @abc.abstractmethod
     def wait(self, event: object | None) -> None:
         """Make the compute stream wait for ``event`` (device side)."""
@@ -98,19 +103,36 @@ class ComputeDevice(abc.ABC):
 
 
 class SimulatedDevice(ComputeDevice):
-    """A capacity-limited pool in host memory; copies are synchronous."""
+    """A capacity-limited pool in host memory; copies are synchronous.
+
+    [Note: reusing buffers] Chunks come and go every step (gradients after the step, gathered
+    copies after each phase); allocating each afresh from malloc pays page faults on every
+    megabyte, which made ZeRO-2/3 steps ~40% slower here. A GPU's caching allocator reuses
+    freed blocks; so does this device, keeping up to two released buffers per (size, dtype)
+    that nothing else references any more (the storage's use count says so).
+    """
 
     kind = "simulated"
+    _KEEP_PER_SIZE = 2
 
     def __init__(self) -> None:
         self.torch_device = torch.device("cpu")
         self.meter = NonModelMeter()
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+        cached = self._free.get((numel, dtype))
+        return cached.pop() if cached else torch.empty(numel, dtype=dtype)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(numel, dtype=dtype)
+        return self.empty(numel, dtype)
+
+    def release(self, buffer: torch.Tensor) -> None:
+        if not _only_reference(buffer):
+            return  # a view still reads it: let it go with its last user
+        cached = self._free.setdefault((buffer.numel(), buffer.dtype), [])
+        if len(cached) < self._KEEP_PER_SIZE:
+            cached.append(buffer)
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
         return host.clone(), None
@@ -191,6 +213,15 @@ class CudaDevice(ComputeDevice):
     def wait_host(self, event: object | None) -> None:
         if event is not None:
             event.synchronize()  # type: ignore[attr-defined]
+
+
+def _only_reference(buffer: torch.Tensor) -> bool:
+    """Whether ``buffer`` is the only tensor on its storage (so reusing it is safe)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None or buffer._base is not None:
+        return False
+    # One reference from ``buffer`` and one from the temporary storage object.
+    return use_count(buffer.untyped_storage()._cdata) == 2
 
 
 def make_device(

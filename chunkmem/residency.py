@@ -111,7 +111,10 @@ class Residency:
                 self._resident_bytes -= chunk.nbytes
             else:
                 self._static_bytes -= chunk.nbytes
+        old = chunk.payload
         chunk.payload, chunk.tier = payload, tier
+        if old is not None:
+            self.device.release(old)
         if tier is Tier.DEVICE:
             self._device_storage[payload.untyped_storage().data_ptr()] = chunk
             if dynamic:
@@ -387,3 +390,4 @@ class Residency:
 
     def free_workspace(self, buffer: torch.Tensor, tier: Tier) -> None:
         self.ledger.free(tier.value, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
+        self.device.release(buffer)
