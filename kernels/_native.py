@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -222,10 +222,15 @@ def _cpu_identity() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def load_cpu() -> NativeKernels:
-    """Build (on a cache miss) and load the CPU library; BuildError says why it cannot."""
+def load_cpu(extra_flags: Sequence[str] = ()) -> NativeKernels:
+    """Build (on a cache miss) and load the CPU library; BuildError says why it cannot.
+
+    `extra_flags` follow CPU_FLAGS; the tests pass `-mno-avx2` to build the scalar-only library
+    that CPUs without AVX2 get (quant_avx2.h).
+    """
     compiler = find_tool("CXX", "g++")
-    path = build("chunkmem_quant_cpu", compiler, CSRC / "quant_cpu.cpp", CPU_FLAGS, _cpu_identity())
+    flags = [*CPU_FLAGS, *extra_flags]
+    path = build("chunkmem_quant_cpu", compiler, CSRC / "quant_cpu.cpp", flags, _cpu_identity())
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:

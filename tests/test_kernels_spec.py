@@ -3,11 +3,14 @@ promises: error within half a step, levels in range, int4 nibble order, NaN/Inf 
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 
 import kernels
-from kernels import QuantizedTensor, reference
+from kernels import QuantizedTensor, ops, reference
+from kernels._native import load_cpu
 from tests.kernels_helpers import (
     assert_same_bits,
     assert_same_quantized,
@@ -250,14 +253,19 @@ def test_zero_scale_rule(backend):
     assert torch.equal(qa.offsets[:1].view(torch.int32), torch.tensor([0], dtype=torch.int32))
 
 
+@pytest.mark.parametrize("copies", [1, 16], ids=["scalar", "vector"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_16bit_conversions_match_torch_exhaustively(dtype):
+def test_16bit_conversions_match_torch_exhaustively(dtype, copies):
     """Every 16-bit pattern widens exactly (quantize reads it), and fp32 values narrow with RNE
-    like torch's .to() (dequantize writes them). A group of one element with step 1 and level
-    0 is the identity on its offset, so offsets carry arbitrary values through the kernels."""
+    like torch's .to() (dequantize writes them). A group of equal elements with step 1 and level
+    0 is the identity on its offset, so offsets carry arbitrary values through the kernels.
+    Groups of one element run the scalar code of the CPU library, groups of 16 its vector lanes.
+    """
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     finite = patterns[patterns.float().isfinite()]
-    q = kernels.quantize(finite, bits=8, group_size=1, symmetric=False, backend="cpu")
+    q = kernels.quantize(
+        finite.repeat_interleave(copies), bits=8, group_size=copies, symmetric=False, backend="cpu"
+    )
     assert_same_bits(q.offsets, finite.float() + 0.0, "widening")
 
     g = torch.Generator().manual_seed(4)
@@ -266,15 +274,32 @@ def test_16bit_conversions_match_torch_exhaustively(dtype):
     ties = (torch.arange(1 << 16, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
     values = torch.cat([values, ties, patterns.float() * (1 + 2.0**-12)])
     q = QuantizedTensor(
-        data=torch.zeros(values.numel(), dtype=torch.uint8),
+        data=torch.zeros(values.numel() * copies, dtype=torch.uint8),
         scales=torch.ones(values.numel()),
         offsets=values,
-        numel=values.numel(),
+        numel=values.numel() * copies,
         bits=8,
-        group_size=1,
+        group_size=copies,
         symmetric=False,
         dtype=torch.float32,
     )
     assert_same_bits(
-        kernels.dequantize(q, out_dtype=dtype, backend="cpu"), (values + 0.0).to(dtype), "narrowing"
+        kernels.dequantize(q, out_dtype=dtype, backend="cpu"),
+        (values + 0.0).to(dtype).repeat_interleave(copies),
+        "narrowing",
     )
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="-mno-avx2 is for x86")
+def test_scalar_build_matches_reference_bit_for_bit(monkeypatch):
+    """CPUs without AVX2 run the CPU library's scalar loops on whole groups, which the default
+    build here runs only on group tails: build that variant and hold it to the same checks."""
+    monkeypatch.setitem(ops._libraries, "cpu", load_cpu(extra_flags=["-mno-avx2"]))
+    for dtype in DTYPES:
+        cases = {"random": _random(3 * G + 5, dtype), **_edge_cases(dtype)}
+        for fmt in FORMATS:
+            for name, x in cases.items():
+                try:
+                    _check_all_ops(x, *fmt)
+                except AssertionError as e:
+                    raise AssertionError(f"{name}, {dtype}, {_ids(fmt)}: {e}") from e

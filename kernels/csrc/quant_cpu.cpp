@@ -1,12 +1,15 @@
 // CPU library of the chunkmem quantization kernels: a plain C ABI over raw pointers, loaded
-// with ctypes by kernels/_native.py. OpenMP runs groups in parallel; inner loops are written so
-// that g++ -O3 vectorises them (integer min/max statistics, no data-dependent branches).
+// with ctypes by kernels/_native.py. OpenMP runs groups in parallel. Within a group, the AVX2
+// lanes of quant_avx2.h take the elements up to a multiple of their block and the scalar loops
+// below the rest (all of it on CPUs without AVX2); the scalar loops are written so that g++ -O3
+// vectorises them (integer min/max statistics, no data-dependent branches).
 // Per-element math lives in quant_math.h; the spec is docs/kernels.md.
 #include <omp.h>
 
 #include <new>
 #include <vector>
 
+#include "quant_avx2.h"
 #include "quant_math.h"
 
 namespace {
@@ -35,14 +38,20 @@ void prefetch_next(const T* x, int64_t n) {
   for (int64_t b = 0; b < nbytes; b += 64) __builtin_prefetch(next + b);
 }
 
-template <class In>
+// Statistics of x[0, n); only those that a SYM group reads are complete.
+template <class In, bool SYM>
 GroupStats stats_of(const typename In::Raw* x, int64_t n) {
+  int64_t i = 0;
+  GroupStats lanes = cmq::empty_stats();
+#if CMQ_HAVE_AVX2
+  lanes = cmq::avx2::stats_prefix<In, SYM>(x, n, i);
+#endif
   // Three separate scalar accumulators keep the loop a plain integer max/min reduction,
   // which g++ vectorises.
   uint32_t abs_bits = 0;
   int32_t min_key = INT32_MAX;
   int32_t max_key = INT32_MIN;
-  for (int64_t i = 0; i < n; ++i) {
+  for (; i < n; ++i) {
     const uint32_t u = cmq::bits_of(In::load(x[i]));
     const uint32_t a = u & 0x7FFFFFFFu;
     const int32_t k = cmq::order_key(u);
@@ -50,31 +59,17 @@ GroupStats stats_of(const typename In::Raw* x, int64_t n) {
     min_key = k < min_key ? k : min_key;
     max_key = k > max_key ? k : max_key;
   }
-  return GroupStats{abs_bits, min_key, max_key};
+  return cmq::merge_stats(lanes, GroupStats{abs_bits, min_key, max_key});
 }
 
-// Quantizes one group: span.valid elements of x, then zeros up to span.length.
+// Encodes `valid` elements of x, then `length - valid` zeros, into q (a finite group; for
+// int4, q starts on a byte).
 template <class In, class Fmt>
-void quantize_group(const typename In::Raw* x, const GroupSpan& span, uint8_t* q, float* scale,
-                    float* offset) {
+void encode_levels(const typename In::Raw* x, int64_t valid, int64_t length, const GroupParams& p,
+                   uint8_t* q) {
   constexpr int kBits = Fmt::kBits;
   constexpr bool kSym = Fmt::kSymmetric;
-  GroupStats stats = stats_of<In>(x, span.valid);
-  if (span.valid < span.length) cmq::add_to_stats(stats, 0.0f);
-  const GroupParams p = cmq::group_params<kSym>(stats, kBits);
-  *scale = p.scale;
-  if (!kSym) *offset = p.offset;
-  const int64_t nbytes = kBits == 8 ? span.length : (span.length + 1) / 2;
-  if (!p.finite) {
-    for (int64_t i = 0; i < nbytes; ++i) q[i] = 0;
-    return;
-  }
-  prefetch_next(x, span.length);
   const uint8_t pad = cmq::encode_level<kBits>(cmq::quantize_value<kSym>(0.0f, p));
-  // Locals, not span.field: stores through uint8_t* may alias anything, which would make the
-  // trip count unknown to the vectoriser.
-  const int64_t valid = span.valid;
-  const int64_t length = span.length;
   if (kBits == 8) {
     for (int64_t i = 0; i < valid; ++i)
       q[i] = cmq::encode_level<8>(cmq::quantize_value<kSym>(In::load(x[i]), p));
@@ -95,6 +90,38 @@ void quantize_group(const typename In::Raw* x, const GroupSpan& span, uint8_t* q
     const uint8_t hi = e + 1 < length ? pad : 0;
     q[e / 2] = static_cast<uint8_t>(lo | (hi << 4));
   }
+}
+
+// Quantizes one group with known statistics: span.valid elements of x, then zeros up to
+// span.length.
+template <class In, class Fmt>
+void encode_group(const typename In::Raw* x, const GroupSpan& span, const GroupStats& stats,
+                  uint8_t* q, float* scale, float* offset) {
+  constexpr int kBits = Fmt::kBits;
+  const GroupParams p = cmq::group_params<Fmt::kSymmetric>(stats, kBits);
+  *scale = p.scale;
+  if (!Fmt::kSymmetric) *offset = p.offset;
+  if (!p.finite) {
+    const int64_t nbytes = kBits == 8 ? span.length : (span.length + 1) / 2;
+    for (int64_t i = 0; i < nbytes; ++i) q[i] = 0;
+    return;
+  }
+  prefetch_next(x, span.length);
+  int64_t done = 0;
+#if CMQ_HAVE_AVX2
+  done = cmq::avx2::encode_prefix<In, Fmt>(x, span.valid, p, q);
+#endif
+  encode_levels<In, Fmt>(x + done, span.valid - done, span.length - done, p,
+                         q + byte_of<kBits>(done));
+}
+
+// Quantizes one group: span.valid elements of x, then zeros up to span.length.
+template <class In, class Fmt>
+void quantize_group(const typename In::Raw* x, const GroupSpan& span, uint8_t* q, float* scale,
+                    float* offset) {
+  GroupStats stats = stats_of<In, Fmt::kSymmetric>(x, span.valid);
+  if (span.valid < span.length) cmq::add_to_stats(stats, 0.0f);
+  encode_group<In, Fmt>(x, span, stats, q, scale, offset);
 }
 
 // Dequantizes `n` elements of one group: out[i] = Out::store(value_i), or with ADD
@@ -158,12 +185,11 @@ void reduce_group_fixed(const Inputs& in, int64_t g, int64_t n, int64_t at, type
   }
 }
 
-// out[0..n) = sum over inputs of group g's dequantized values, added in input order in fp32
-// (in `acc`, n floats of scratch) and stored as Out.
+// out[0..n) = sum over inputs of n dequantized values of group g whose bytes start at `at`,
+// added in input order in fp32 (in `acc`, n floats of scratch) and stored as Out.
 template <class Fmt, class Out>
-void reduce_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n, float* acc,
-                  typename Out::Raw* out) {
-  const int64_t at = byte_of<Fmt::kBits>(g * group_size);
+void reduce_elements(const Inputs& in, int64_t g, int64_t at, int64_t n, float* acc,
+                     typename Out::Raw* out) {
   const auto offset = [&](int k) { return Fmt::kSymmetric ? 0.0f : in.offsets[k][g]; };
   if constexpr (Fmt::kBits == 8) {
     switch (in.count) {
@@ -184,6 +210,44 @@ void reduce_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n, fl
   for (int k = 1; k < last; ++k)
     dequantize_group<Fmt, F32, true>(in.q[k] + at, n, in.scales[k][g], offset(k), acc, acc);
   dequantize_group<Fmt, Out, true>(in.q[last] + at, n, in.scales[last][g], offset(last), acc, out);
+}
+
+// out[0..n) = sum over inputs of group g's dequantized values, added in input order in fp32
+// (acc: n floats of scratch) and stored as Out.
+template <class Fmt, class Out>
+void reduce_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n, float* acc,
+                  typename Out::Raw* out) {
+  const int64_t at = byte_of<Fmt::kBits>(g * group_size);
+  int64_t done = 0;
+#if CMQ_HAVE_AVX2
+  done = cmq::avx2::reduce_prefix<Fmt>(
+      in.q, in.scales, in.offsets, in.count, g, at, n,
+      [out](int64_t i, __m256 lo, __m256 hi) { cmq::avx2::Lanes<Out>::store16(out + i, lo, hi); });
+#endif
+  reduce_elements<Fmt, Out>(in, g, at + byte_of<Fmt::kBits>(done), n - done, acc, out + done);
+}
+
+// acc[0..n) = the fp32 sums of reduce_group, and their statistics, computed in the same pass
+// so that requantizing reads the sums only once more.
+template <class Fmt>
+GroupStats sum_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n, float* acc) {
+  constexpr bool kSym = Fmt::kSymmetric;
+  const int64_t at = byte_of<Fmt::kBits>(g * group_size);
+  int64_t done = 0;
+  GroupStats stats = cmq::empty_stats();
+#if CMQ_HAVE_AVX2
+  cmq::avx2::StatsLanes<kSym> lanes;
+  done = cmq::avx2::reduce_prefix<Fmt>(in.q, in.scales, in.offsets, in.count, g, at, n,
+                                       [&](int64_t i, __m256 lo, __m256 hi) {
+                                         cmq::avx2::Lanes<F32>::store16(acc + i, lo, hi);
+                                         lanes.add(lo);
+                                         lanes.add(hi);
+                                       });
+  stats = lanes.fold();
+#endif
+  float* rest = acc + done;
+  reduce_elements<Fmt, F32>(in, g, at + byte_of<Fmt::kBits>(done), n - done, rest, rest);
+  return cmq::merge_stats(stats, stats_of<F32, kSym>(rest, n - done));
 }
 
 // Runs body(g, n, scratch) for every group in parallel; scratch holds group_size floats owned
@@ -274,9 +338,10 @@ int cmq_cpu_dequant_reduce_requant(const uint8_t* const* q, const float* const* 
   return with_format(bits, symmetric, [&](auto fmt) {
     using Fmt = decltype(fmt);
     return for_groups_with_scratch(numel, group_size, [&](int64_t g, int64_t n, float* acc) {
-      reduce_group<Fmt, F32>(in, g, group_size, n, acc, acc);
-      quantize_group<F32, Fmt>(acc, GroupSpan{0, n, n}, q_out + byte_of<Fmt::kBits>(g * group_size),
-                               scales_out + g, offsets_out ? offsets_out + g : nullptr);
+      const GroupStats stats = sum_group<Fmt>(in, g, group_size, n, acc);
+      encode_group<F32, Fmt>(acc, GroupSpan{0, n, n}, stats,
+                             q_out + byte_of<Fmt::kBits>(g * group_size), scales_out + g,
+                             offsets_out ? offsets_out + g : nullptr);
     });
   });
 }
