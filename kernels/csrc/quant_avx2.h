@@ -51,8 +51,8 @@ struct Lanes<BF16> {
   // quiet bit set: (u | 0x400000) >> 16 is float_to_bf16's (u >> 16) | 0x40.
   static __m256i narrow(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
-    const __m256i nan =
-        _mm256_cmpgt_epi32(_mm256_and_si256(u, splat(0x7FFFFFFFu)), splat(0x7F800000u));
+    // v != v exactly when |u| > 0x7F800000, float_to_bf16's NaN test
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), splat(1u));
     const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(splat(0x7FFFu), odd));
     const __m256i quiet = _mm256_or_si256(u, splat(0x00400000u));
