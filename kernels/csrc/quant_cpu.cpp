@@ -29,8 +29,10 @@ using cmq::with_format;
 // costs more than the work.
 constexpr int64_t kParallelMinNumel = 1 << 15;
 
-// Asks for the next group's input (the elements after this group's) while this group is being
-// encoded, so that memory traffic overlaps the arithmetic of the second pass.
+// Asks for the next group's input (the n elements after this group's n) while this group is
+// being encoded, so that memory traffic overlaps the arithmetic of the second pass. Only
+// quantize does this: the fused requantize encodes from its scratch, and prefetching past that
+// pulls in the lines of another thread's scratch; its inputs stream in fine without help.
 template <class T>
 void prefetch_next(const T* x, int64_t n) {
   const char* next = reinterpret_cast<const char*>(x + n);
@@ -106,7 +108,6 @@ void encode_group(const typename In::Raw* x, const GroupSpan& span, const GroupS
     for (int64_t i = 0; i < nbytes; ++i) q[i] = 0;
     return;
   }
-  prefetch_next(x, span.length);
   int64_t done = 0;
 #if CMQ_HAVE_AVX2
   done = cmq::avx2::encode_prefix<In, Fmt>(x, span.valid, p, q);
@@ -121,6 +122,7 @@ void quantize_group(const typename In::Raw* x, const GroupSpan& span, uint8_t* q
                     float* offset) {
   GroupStats stats = stats_of<In, Fmt::kSymmetric>(x, span.valid);
   if (span.valid < span.length) cmq::add_to_stats(stats, 0.0f);
+  prefetch_next(x, span.length);
   encode_group<In, Fmt>(x, span, stats, q, scale, offset);
 }
 
