@@ -28,12 +28,16 @@ inline __m256i splat(uint32_t u) { return _mm256_set1_epi32(static_cast<int>(u))
 
 // ---- element types: load 8 lanes as fp32, store 16 fp32 lanes narrowed ----
 
+// store16<false> may be used only for lanes that hold no NaN: it leaves out the NaN rule of the
+// narrowing (see finite_sums).
+
 template <class T>
 struct Lanes;
 
 template <>
 struct Lanes<F32> {
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  template <bool kMayBeNaN = true>
   static void store16(float* p, __m256 a, __m256 b) {
     _mm256_storeu_ps(p, a);
     _mm256_storeu_ps(p + 8, b);
@@ -49,19 +53,24 @@ struct Lanes<BF16> {
   }
   // float_to_bf16, in the low half of each 32-bit lane. A NaN keeps its high half with the
   // quiet bit set: (u | 0x400000) >> 16 is float_to_bf16's (u >> 16) | 0x40.
+  template <bool kMayBeNaN>
   static __m256i narrow(__m256 v) {
     const __m256i u = _mm256_castps_si256(v);
-    // v != v exactly when |u| > 0x7F800000, float_to_bf16's NaN test
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), splat(1u));
-    const __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(splat(0x7FFFu), odd));
-    const __m256i quiet = _mm256_or_si256(u, splat(0x00400000u));
-    return _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+    __m256i rounded = _mm256_add_epi32(u, _mm256_add_epi32(splat(0x7FFFu), odd));
+    if constexpr (kMayBeNaN) {
+      // v != v exactly when |u| > 0x7F800000, float_to_bf16's NaN test
+      const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      rounded = _mm256_blendv_epi8(rounded, _mm256_or_si256(u, splat(0x00400000u)), nan);
+    }
+    return _mm256_srli_epi32(rounded, 16);
   }
+  template <bool kMayBeNaN = true>
   static void store16(uint16_t* p, __m256 a, __m256 b) {
     // Lanes hold values below 2^16, so packus only interleaves (a0-3 b0-3 | a4-7 b4-7); the
     // permute restores element order.
-    const __m256i packed = _mm256_packus_epi32(narrow(a), narrow(b));
+    const __m256i packed =
+        _mm256_packus_epi32(narrow<kMayBeNaN>(a), narrow<kMayBeNaN>(b));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
   }
 };
@@ -75,16 +84,19 @@ struct Lanes<F16> {
   }
   // float_to_f16: vcvtps2ph rounds to nearest even as it does (overflow to Inf, subnormals
   // kept; MXCSR is not consulted for the rounding); a NaN becomes its sign | 0x7E00 as there.
+  template <bool kMayBeNaN>
   static __m128i narrow(__m256 v) {
     const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    if constexpr (!kMayBeNaN) return h;
     const __m128i nan =
         _mm_cmpgt_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7FFF)), _mm_set1_epi16(0x7C00));
     const __m128i sign = _mm_and_si128(h, _mm_set1_epi16(static_cast<int16_t>(0x8000)));
     return _mm_blendv_epi8(h, _mm_or_si128(sign, _mm_set1_epi16(0x7E00)), nan);
   }
+  template <bool kMayBeNaN = true>
   static void store16(uint16_t* p, __m256 a, __m256 b) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow(a));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), narrow(b));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow<kMayBeNaN>(a));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), narrow<kMayBeNaN>(b));
   }
 };
 
@@ -216,6 +228,23 @@ template <class Fmt>
 __m256 values8(const uint8_t* q, __m256 scale, __m256 offset) {
   const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(levels8<Fmt>(q)), scale);
   return Fmt::kSymmetric ? v : _mm256_add_ps(v, offset);
+}
+
+// Whether every value of group g and every partial sum over the `count` inputs is finite, so
+// that no lane can hold a NaN: all scales and offsets are finite and B, the sum over inputs of
+// 255 |scale| + |offset| (|level| <= 255 bounds every |value|; computed in double, exactly
+// enough), stays below 2^127. A partial sum is then at most B (1 + 2^-24)^(count + 1) < 2 B
+// for fewer than 2^22 inputs: below the largest fp32, so no rounding carries it to Inf.
+inline bool finite_sums(const float* const* scales, const float* const* offsets, int count,
+                        int64_t g, bool symmetric) {
+  if (count >= (1 << 22)) return false;
+  double bound = 0.0;
+  for (int k = 0; k < count; ++k) {
+    const double scale = scales[k][g];
+    const double offset = symmetric ? 0.0 : offsets[k][g];
+    bound += 255.0 * (scale < 0 ? -scale : scale) + (offset < 0 ? -offset : offset);
+  }
+  return bound < 0x1p127;  // false for NaN and Inf too
 }
 
 // For elements [0, done) of a group, done = n rounded down to 16, sums the `count` inputs'

@@ -7,6 +7,7 @@
 #include <omp.h>
 
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "quant_avx2.h"
@@ -222,9 +223,19 @@ void reduce_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n, fl
   const int64_t at = byte_of<Fmt::kBits>(g * group_size);
   int64_t done = 0;
 #if CMQ_HAVE_AVX2
-  done = cmq::avx2::reduce_prefix<Fmt>(
-      in.q, in.scales, in.offsets, in.count, g, at, n,
-      [out](int64_t i, __m256 lo, __m256 hi) { cmq::avx2::Lanes<Out>::store16(out + i, lo, hi); });
+  const auto store = [&](auto may_be_nan) {
+    return cmq::avx2::reduce_prefix<Fmt>(
+        in.q, in.scales, in.offsets, in.count, g, at, n, [out](int64_t i, __m256 lo, __m256 hi) {
+          cmq::avx2::Lanes<Out>::template store16<decltype(may_be_nan)::value>(out + i, lo, hi);
+        });
+  };
+  // Narrowing is cheaper for lanes known to hold no NaN; fp32 stores are the same either way.
+  if constexpr (std::is_same_v<Out, F32>)
+    done = store(std::true_type{});
+  else if (cmq::avx2::finite_sums(in.scales, in.offsets, in.count, g, Fmt::kSymmetric))
+    done = store(std::false_type{});
+  else
+    done = store(std::true_type{});
 #endif
   reduce_elements<Fmt, Out>(in, g, at + byte_of<Fmt::kBits>(done), n - done, acc, out + done);
 }
