@@ -253,13 +253,13 @@ def test_zero_scale_rule(backend):
     assert torch.equal(qa.offsets[:1].view(torch.int32), torch.tensor([0], dtype=torch.int32))
 
 
-@pytest.mark.parametrize("copies", [1, 16], ids=["scalar", "vector"])
+@pytest.mark.parametrize("copies", [1, 32], ids=["scalar", "vector"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_16bit_conversions_match_torch_exhaustively(dtype, copies):
     """Every 16-bit pattern widens exactly (quantize reads it), and fp32 values narrow with RNE
     like torch's .to() (dequantize writes them). A group of equal elements with step 1 and level
     0 is the identity on its offset, so offsets carry arbitrary values through the kernels.
-    Groups of one element run the scalar code of the CPU library, groups of 16 its vector lanes.
+    Groups of one element run the scalar code of the CPU library, groups of 32 its vector lanes.
     """
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     finite = patterns[patterns.float().isfinite()]

@@ -28,6 +28,9 @@ inline __m256i splat(uint32_t u) { return _mm256_set1_epi32(static_cast<int>(u))
 
 // ---- element types: load 8 lanes as fp32, store 16 fp32 lanes narrowed ----
 
+// load32 reads a block of 32 elements as four vectors, either in element order (0-7, 8-15, ...)
+// or, where kInterleaved, as 0-3 8-11, 4-7 12-15, 16-19 24-27, 20-23 28-31: the order in which
+// packus_epi32 of the pairs gives elements 0-15 and 16-31 back in order (low_bytes).
 // store16<false> may be used only for lanes that hold no NaN: it leaves out the NaN rule of the
 // narrowing (see finite_sums).
 
@@ -36,7 +39,14 @@ struct Lanes;
 
 template <>
 struct Lanes<F32> {
+  static constexpr bool kInterleaved = false;
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+  static void load32(const float* p, __m256& a, __m256& b, __m256& c, __m256& d) {
+    a = load8(p);
+    b = load8(p + 8);
+    c = load8(p + 16);
+    d = load8(p + 24);
+  }
   template <bool kMayBeNaN = true>
   static void store16(float* p, __m256 a, __m256 b) {
     _mm256_storeu_ps(p, a);
@@ -46,10 +56,21 @@ struct Lanes<F32> {
 
 template <>
 struct Lanes<BF16> {
+  static constexpr bool kInterleaved = true;
   // bf16_to_float: the 16 bits become the high half of the fp32 pattern.
   static __m256 load8(const uint16_t* p) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  // The same widening as interleaving zero words below each pattern, one instruction per 8.
+  static void load32(const uint16_t* p, __m256& a, __m256& b, __m256& c, __m256& d) {
+    const __m256i zero = _mm256_setzero_si256();
+    const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+    a = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, lo));
+    b = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, lo));
+    c = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, hi));
+    d = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, hi));
   }
   // float_to_bf16, in the low half of each 32-bit lane. A NaN keeps its high half with the
   // quiet bit set: (u | 0x400000) >> 16 is float_to_bf16's (u >> 16) | 0x40.
@@ -77,10 +98,17 @@ struct Lanes<BF16> {
 
 template <>
 struct Lanes<F16> {
+  static constexpr bool kInterleaved = false;
   // f16_to_float is exact and so is vcvtph2ps, except that it quiets a signalling NaN. A NaN
   // input only reaches the group statistics, where every NaN counts the same.
   static __m256 load8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void load32(const uint16_t* p, __m256& a, __m256& b, __m256& c, __m256& d) {
+    a = load8(p);
+    b = load8(p + 8);
+    c = load8(p + 16);
+    d = load8(p + 24);
   }
   // float_to_f16: vcvtps2ph rounds to nearest even as it does (overflow to Inf, subnormals
   // kept; MXCSR is not consulted for the rounding); a NaN becomes its sign | 0x7E00 as there.
@@ -134,17 +162,59 @@ struct StatsLanes {
   }
 };
 
+// Statistics of bf16 patterns x[0, done), done = n rounded down to 16, computed on the 16-bit
+// patterns h, 16 lanes per vector. bf16_to_float shifts h into the high half, so abs_bits is
+// (h & 0x7FFF) << 16 and order_key is k << 16 | (k < 0 ? 0xFFFF : 0) for k the same key of
+// h in 16 bits (h ^ ((h >> 15, arithmetic) >> 1, logical)): both grow with their 16-bit
+// counterparts, so the largest and smallest come from the 16-bit maxima and minima.
+template <bool SYM>
+GroupStats bf16_stats_prefix(const uint16_t* x, int64_t n, int64_t& done) {
+  __m256i abs16 = _mm256_setzero_si256();
+  __m256i min16 = _mm256_set1_epi16(INT16_MAX);
+  __m256i max16 = _mm256_set1_epi16(INT16_MIN);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+    if constexpr (SYM) {
+      abs16 = _mm256_max_epu16(abs16, _mm256_and_si256(h, _mm256_set1_epi16(0x7FFF)));
+    } else {
+      const __m256i k = _mm256_xor_si256(h, _mm256_srli_epi16(_mm256_srai_epi16(h, 15), 1));
+      min16 = _mm256_min_epi16(min16, k);
+      max16 = _mm256_max_epi16(max16, k);
+    }
+  }
+  done = i;
+  if (i == 0) return empty_stats();
+  alignas(32) uint16_t a[16];
+  alignas(32) int16_t lo[16], hi[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(a), abs16);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lo), min16);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(hi), max16);
+  const auto key = [](int16_t k) {
+    return static_cast<int32_t>(static_cast<uint32_t>(static_cast<uint16_t>(k)) << 16 |
+                                (k < 0 ? 0xFFFFu : 0u));
+  };
+  GroupStats s = empty_stats();
+  for (int j = 0; j < 16; ++j)
+    s = merge_stats(s, GroupStats{static_cast<uint32_t>(a[j]) << 16, key(lo[j]), key(hi[j])});
+  return s;
+}
+
 // Statistics of x[0, done) with done = n rounded down to 16; the caller adds the rest.
 template <class In, bool SYM>
 GroupStats stats_prefix(const typename In::Raw* x, int64_t n, int64_t& done) {
-  StatsLanes<SYM> a, b;  // two chains, so the max/min latency does not bound the loop
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    a.add(Lanes<In>::load8(x + i));
-    b.add(Lanes<In>::load8(x + i + 8));
+  if constexpr (std::is_same_v<In, BF16>) {
+    return bf16_stats_prefix<SYM>(x, n, done);
+  } else {
+    StatsLanes<SYM> a, b;  // two chains, so the max/min latency does not bound the loop
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      a.add(Lanes<In>::load8(x + i));
+      b.add(Lanes<In>::load8(x + i + 8));
+    }
+    done = i;
+    return merge_stats(a.fold(), b.fold());
   }
-  done = i;
-  return merge_stats(a.fold(), b.fold());
 }
 
 // ---- quantize ----
@@ -158,14 +228,17 @@ __m256i level_bits(__m256 v, __m256 inv, __m256 offset) {
   return _mm256_castps_si256(_mm256_add_ps(t, _mm256_set1_ps(kRoundMagic)));
 }
 
-// The low bytes of 32 lanes, in element order. Masking first keeps packus from saturating, so
-// it truncates like encode_level<8>'s cast.
-inline __m256i low_bytes(__m256i a, __m256i b, __m256i c, __m256i d) {
+// The low bytes of the 32 lanes of a block in load32's order, in element order. Masking first
+// keeps packus from saturating, so it truncates like encode_level<8>'s cast.
+template <bool kInterleaved>
+__m256i low_bytes(__m256i a, __m256i b, __m256i c, __m256i d) {
   const __m256i m = splat(0xFFu);
   const __m256i ab = _mm256_packus_epi32(_mm256_and_si256(a, m), _mm256_and_si256(b, m));
   const __m256i cd = _mm256_packus_epi32(_mm256_and_si256(c, m), _mm256_and_si256(d, m));
-  // a0-3 b0-3 c0-3 d0-3 | a4-7 b4-7 c4-7 d4-7, as 32-bit blocks: reorder them.
   const __m256i bytes = _mm256_packus_epi16(ab, cd);
+  // Interleaved: 0-7 16-23 | 8-15 24-31 in 64-bit blocks. Otherwise 0-3 8-11 16-19 24-27 |
+  // 4-7 12-15 20-23 28-31 in 32-bit blocks. Reorder the blocks.
+  if constexpr (kInterleaved) return _mm256_permute4x64_epi64(bytes, 0xD8);
   return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
@@ -187,10 +260,11 @@ int64_t encode_prefix(const typename In::Raw* x, int64_t n, const GroupParams& p
   const __m256 offset = _mm256_set1_ps(p.offset);
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    const __m256i bytes = low_bytes(level_bits<kSym>(Lanes<In>::load8(x + i), inv, offset),
-                                    level_bits<kSym>(Lanes<In>::load8(x + i + 8), inv, offset),
-                                    level_bits<kSym>(Lanes<In>::load8(x + i + 16), inv, offset),
-                                    level_bits<kSym>(Lanes<In>::load8(x + i + 24), inv, offset));
+    __m256 a, b, c, d;
+    Lanes<In>::load32(x + i, a, b, c, d);
+    const __m256i bytes = low_bytes<Lanes<In>::kInterleaved>(
+        level_bits<kSym>(a, inv, offset), level_bits<kSym>(b, inv, offset),
+        level_bits<kSym>(c, inv, offset), level_bits<kSym>(d, inv, offset));
     if constexpr (Fmt::kBits == 8)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), bytes);
     else
