@@ -28,9 +28,9 @@ inline __m256i splat(uint32_t u) { return _mm256_set1_epi32(static_cast<int>(u))
 
 // ---- element types: load 8 lanes as fp32, store 16 fp32 lanes narrowed ----
 
-// load32 reads a block of 32 elements as four vectors, either in element order (0-7, 8-15, ...)
-// or, where kInterleaved, as 0-3 8-11, 4-7 12-15, 16-19 24-27, 20-23 28-31: the order in which
-// packus_epi32 of the pairs gives elements 0-15 and 16-31 back in order (low_bytes).
+// Where kInterleaved, load32 reads a block of 32 elements as four vectors holding elements 0-3
+// 8-11, 4-7 12-15, 16-19 24-27 and 20-23 28-31: the order in which packus_epi32 of the pairs
+// gives elements 0-15 and 16-31 back in order (low_bytes). Other types read blocks with load8.
 // store16<false> may be used only for lanes that hold no NaN: it leaves out the NaN rule of the
 // narrowing (see finite_sums).
 
@@ -41,12 +41,6 @@ template <>
 struct Lanes<F32> {
   static constexpr bool kInterleaved = false;
   static __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-  static void load32(const float* p, __m256& a, __m256& b, __m256& c, __m256& d) {
-    a = load8(p);
-    b = load8(p + 8);
-    c = load8(p + 16);
-    d = load8(p + 24);
-  }
   template <bool kMayBeNaN = true>
   static void store16(float* p, __m256 a, __m256 b) {
     _mm256_storeu_ps(p, a);
@@ -103,12 +97,6 @@ struct Lanes<F16> {
   // input only reaches the group statistics, where every NaN counts the same.
   static __m256 load8(const uint16_t* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  }
-  static void load32(const uint16_t* p, __m256& a, __m256& b, __m256& c, __m256& d) {
-    a = load8(p);
-    b = load8(p + 8);
-    c = load8(p + 16);
-    d = load8(p + 24);
   }
   // float_to_f16: vcvtps2ph rounds to nearest even as it does (overflow to Inf, subnormals
   // kept; MXCSR is not consulted for the rounding); a NaN becomes its sign | 0x7E00 as there.
@@ -228,8 +216,8 @@ __m256i level_bits(__m256 v, __m256 inv, __m256 offset) {
   return _mm256_castps_si256(_mm256_add_ps(t, _mm256_set1_ps(kRoundMagic)));
 }
 
-// The low bytes of the 32 lanes of a block in load32's order, in element order. Masking first
-// keeps packus from saturating, so it truncates like encode_level<8>'s cast.
+// The low bytes of the 32 lanes of a block (in load32's order if kInterleaved), in element
+// order. Masking first keeps packus from saturating, so it truncates like encode_level<8>'s cast.
 template <bool kInterleaved>
 __m256i low_bytes(__m256i a, __m256i b, __m256i c, __m256i d) {
   const __m256i m = splat(0xFFu);
@@ -261,7 +249,14 @@ int64_t encode_prefix(const typename In::Raw* x, int64_t n, const GroupParams& p
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     __m256 a, b, c, d;
-    Lanes<In>::load32(x + i, a, b, c, d);
+    if constexpr (Lanes<In>::kInterleaved) {
+      Lanes<In>::load32(x + i, a, b, c, d);
+    } else {
+      a = Lanes<In>::load8(x + i);
+      b = Lanes<In>::load8(x + i + 8);
+      c = Lanes<In>::load8(x + i + 16);
+      d = Lanes<In>::load8(x + i + 24);
+    }
     const __m256i bytes = low_bytes<Lanes<In>::kInterleaved>(
         level_bits<kSym>(a, inv, offset), level_bits<kSym>(b, inv, offset),
         level_bits<kSym>(c, inv, offset), level_bits<kSym>(d, inv, offset));
