@@ -640,12 +640,12 @@ class ChunkManager:
             self.optimizer_homes[layout.index] = home
             master = layout.chunks.get(ChunkKind.MASTER)
             if master is not None and home is Tier.DEVICE:
-                self.residency.make_room(master.nbytes, set(), "optimizer home")
+                self.residency.make_room(master.nbytes, set(), "optimizer home", "capacity")
                 self.residency.move(master, Tier.DEVICE, "optimizer home")
             for kind in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
                 span = self.state_span(layout)
                 if home is Tier.DEVICE:
-                    self.residency.make_room(span[1] * 4, set(), "optimizer home")
+                    self.residency.make_room(span[1] * 4, set(), "optimizer home", "capacity")
                 self.residency.new_chunk(layout, kind, torch.float32, home, span)
 
     def step_chunks(self, layout: ChunkLayout) -> dict[ChunkKind, Chunk]:

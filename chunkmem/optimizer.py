@@ -161,7 +161,11 @@ class ChunkAdam:
         manager = self.manager
         total = sum(hi - lo for _slot, lo, hi in pieces)
         workspace = manager.residency.allocate_workspace(
-            min(total, WORKSPACE_ELEMENTS), torch.float32, home, {c.id for c in chunks.values()}
+            min(total, WORKSPACE_ELEMENTS),
+            torch.float32,
+            home,
+            {c.id for c in chunks.values()},
+            within="capacity",
         )
         try:
             for batch in cut(pieces, WORKSPACE_ELEMENTS):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 
@@ -21,6 +21,8 @@ from chunkmem.errors import OutOfMemoryError
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.placement import Placement, plan_moment
 from chunkmem.tracer import Moment, Tracer
+
+RoomLimit = Literal["budget", "capacity"]
 
 
 class ResidencyListener(Protocol):
@@ -211,9 +213,24 @@ class Residency:
             self.move(victim, Tier.HOST, reason)
             used -= victim.nbytes
 
-    def make_room(self, nbytes: int, protect: set[int], reason: str) -> None:
-        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
-        self.evict_for(nbytes, budget, protect, reason)
+    def make_room(
+        self, nbytes: int, protect: set[int], reason: str, within: RoomLimit = "budget"
+    ) -> None:
+        """Evict until ``nbytes`` more fit on the device.
+
+        within="budget" keeps the traced non-model peak of this moment free (while recording,
+        the budget is zero: only the current moment's chunks stay). within="capacity" evicts
+        only what the device cannot hold beside them: for the optimizer step, where no
+        untraced activations appear, and for optimizer-state homes, whose choice already
+        counted every dynamic chunk and the non-model peak. The zero recording budget would
+        push out chunks that those allow for, onto a host that may not hold them.
+        """
+        limit = (
+            self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+            if within == "budget"
+            else self.placement.capacity
+        )
+        self.evict_for(nbytes, limit, protect, reason)
         if not self.ledger.would_fit("device", nbytes):
             raise OutOfMemoryError(
                 "device",
@@ -377,11 +394,17 @@ class Residency:
 
     # ------------------------------------------------------------------ workspaces
     def allocate_workspace(
-        self, numel: int, dtype: torch.dtype, tier: Tier, protect: set[int]
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        tier: Tier,
+        protect: set[int],
+        within: RoomLimit = "budget",
     ) -> torch.Tensor:
+        """A scratch buffer on ``tier``; ``within`` as for :meth:`make_room`."""
         nbytes = numel * dtype.itemsize
         if tier is Tier.DEVICE:
-            self.make_room(nbytes, protect, "workspace")
+            self.make_room(nbytes, protect, "workspace", within)
             self.ledger.allocate("device", WORKSPACE, nbytes, "a workspace", WORKSPACE)
             return self.device.empty(numel, dtype)
         self.make_host_room(nbytes, protect)

@@ -333,6 +333,29 @@ def test_optimizer_states_live_on_device_when_everything_fits() -> None:
     assert engine.ledger.host.model_bytes == 0
 
 
+def test_first_step_keeps_parameters_on_a_device_with_room_when_the_host_is_tight() -> None:
+    """One optimizer-state group fits beside all parameter chunks; the rest fill the host.
+
+    The first step is still recording, when the chunk budget is zero: homing that group and
+    the step's workspace must not push the parameter chunks out onto a host with no room.
+    """
+    config = GPTConfig(
+        vocab_size=256, block_size=32, n_layer=13, n_head=4, n_embd=128, checkpoint=True
+    )
+    model = GPT(config)
+    engine = chunkmem.initialize(
+        model,
+        config={
+            "precision": "bf16",
+            "device": {"type": "simulated", "capacity": 8 * 2**20},
+            "host": {"capacity": 32 * 2**20},
+        },
+    )
+    train_engine(engine, token_batches(3, batch=1, seq=32, vocab=256))
+    assert set(engine.manager.optimizer_homes.values()) == {Tier.DEVICE, Tier.HOST}
+    assert engine.ledger.device.by_kind["param"] == engine.model_state_bytes()["param"]
+
+
 class FailsOnce(nn.Module):
     def __init__(self) -> None:
         super().__init__()
