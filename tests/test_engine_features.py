@@ -333,6 +333,17 @@ def test_optimizer_states_live_on_device_when_everything_fits() -> None:
     assert engine.ledger.host.model_bytes == 0
 
 
+def test_chunks_are_many_only_where_they_move() -> None:
+    """Everything fits: a chunk per hook unit costs Python time for nothing, so few chunks.
+    Capacity below the model states: chunks are the unit of eviction, so at least ~16."""
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, n_embd=64)
+    numel = config.num_parameters()
+    roomy = make_engine(GPT(config), 100 * numel).chunk_choice.size
+    tight = make_engine(GPT(config), tight_capacity(config)).chunk_choice.size
+    assert roomy >= numel // 2
+    assert tight <= numel // 8
+
+
 def test_first_step_keeps_parameters_on_a_device_with_room_when_the_host_is_tight() -> None:
     """One optimizer-state group fits beside all parameter chunks; the rest fill the host.
 
