@@ -37,6 +37,11 @@ from chunkmem.sharding import Sharding, Waitable
 from chunkmem.states import HOLD_STATES, TensorState
 from chunkmem.tracer import Moment
 
+# Stage 2/3 reduce-scatters running at once during backward: enough to overlap the next
+# layouts' gradients with communication, few enough that whole gradient chunks are freed as
+# backward goes (each completed reduction keeps only this rank's shard).
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
 
 @dataclass(frozen=True)
 class ParamToken:
@@ -98,7 +103,7 @@ class ChunkManager:
         self._stored: dict[int, set[int]] = {}  # layout -> slots that got a gradient
         self._expected: dict[int, set[int]] = {}  # learned from the previous cycle
         self._launched: set[int] = set()  # layouts reduce-scattered in this accumulation window
-        self._in_flight: dict[int, tuple[Waitable, torch.Tensor | None]] = {}
+        self._in_flight: dict[int, tuple[ChunkLayout, Waitable, torch.Tensor | None]] = {}
 
     @property
     def chunks(self) -> dict[int, Chunk]:
@@ -473,6 +478,21 @@ class ChunkManager:
             if not expected <= self._stored.get(layout.index, set()):
                 return
             self._reduce(layout, async_op=True)
+            self._retire_reductions()
+
+    def _retire_reductions(self) -> None:
+        """Complete reductions in launch order while the oldest is done or more than
+        MAX_REDUCTIONS_IN_FLIGHT are running: each frees its whole gradient chunk, so stage 2
+        holds a few gradient chunks during backward instead of all of them.
+
+        Launch order is the same on every rank and only the oldest is ever waited for, so a
+        rank blocked here waits on a ring its peers have launched and will finish.
+        """
+        while self._in_flight:
+            layout, handle, _late = next(iter(self._in_flight.values()))
+            if len(self._in_flight) <= MAX_REDUCTIONS_IN_FLIGHT and not handle.is_completed():
+                return
+            self._complete(layout)
 
     def _reduce(self, layout: ChunkLayout, async_op: bool) -> None:
         """Reduce-scatter the layout's gradient chunk into this rank's gradient shard."""
@@ -497,7 +517,7 @@ class ChunkManager:
         for slot in layout.slots:
             slot.grad_reduced = slot.grad_contributions
         self._launched.add(layout.index)
-        self._in_flight[layout.index] = (handle, late)
+        self._in_flight[layout.index] = (layout, handle, late)
         if not async_op:
             self._complete(layout)
 
@@ -512,7 +532,7 @@ class ChunkManager:
         grad.payload[layout.used :].zero_()
 
     def _complete(self, layout: ChunkLayout) -> None:
-        handle, late = self._in_flight.pop(layout.index)
+        _layout, handle, late = self._in_flight.pop(layout.index)
         handle.wait()
         chunks = layout.chunks
         grad, shard = chunks[ChunkKind.GRAD], chunks[ChunkKind.GRAD_SHARD]
@@ -547,9 +567,8 @@ class ChunkManager:
                         layout, ChunkKind.GRAD, self.compute_dtype, None
                     )
                 self._reduce(layout, async_op=True)
-        for layout in self._reduction_order():
-            if layout.index in self._in_flight:
-                self._complete(layout)
+        while self._in_flight:  # in launch order, as _retire_reductions
+            self._complete(next(iter(self._in_flight.values()))[0])
 
     def sync_grad_presence(self) -> None:
         """ZeRO: a parameter has a gradient if any rank produced one (as on the global batch)."""
@@ -563,7 +582,7 @@ class ChunkManager:
     def discard_grads(self) -> None:
         """Drop this cycle's gradients; slots that held one get their value from the master."""
         for index in list(self._in_flight):
-            handle, late = self._in_flight.pop(index)
+            _layout, handle, late = self._in_flight.pop(index)
             handle.wait()
             if late is not None:
                 self.residency.free_workspace(late, Tier.DEVICE)

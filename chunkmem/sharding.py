@@ -21,10 +21,17 @@ from chunkmem.chunk import ChunkLayout
 class Waitable(Protocol):
     def wait(self) -> None: ...
 
+    def is_completed(self) -> bool:
+        """True once ``wait`` would return without blocking."""
+        ...
+
 
 class _Done:
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 class Sharding:

@@ -96,4 +96,8 @@ class RingWork:
         return True
 
     def is_completed(self) -> bool:
-        return self._step >= self._steps or all(w.is_completed() for w in self._works)
+        """True once ``wait`` would not block: the last step's messages arrived. Earlier steps
+        done are not enough, since the next ones are launched only in ``wait``."""
+        if self._step >= self._steps:
+            return True
+        return self._step == self._steps - 1 and all(w.is_completed() for w in self._works)
