@@ -276,9 +276,11 @@ class Residency:
             self.listener.fill_gathered(chunk, protect | {chunk.id}, async_op=False)
             self.listener.chunk_arrived(chunk)
         elif chunk.tier is None:
-            # Gradient chunks are written before they are read; the reduction zeroes what no
-            # gradient wrote (see ChunkManager._reduce).
-            self.allocate_payload(chunk, Tier.DEVICE, zeroed=chunk.kind is not ChunkKind.GRAD)
+            # Gradient chunks are written before they are read (the reduction zeroes what no
+            # gradient wrote, see ChunkManager._reduce); a gradient shard is allocated only to
+            # receive its first reduce-scatter, which writes all of it.
+            unwritten = chunk.kind is ChunkKind.GRAD or chunk.kind is ChunkKind.GRAD_SHARD
+            self.allocate_payload(chunk, Tier.DEVICE, zeroed=not unwritten)
         else:
             self.move(chunk, Tier.DEVICE, reason)
 
