@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -104,10 +106,28 @@ def initialize(
     hooks = ModuleHooks(manager)
     unit = config.placement.unit_elements
     hooks.attach(model, choice.size if unit == "chunk" else unit)
-    grad_handles = [p.register_post_accumulate_grad_hook(manager.store_grad) for p in trainable]
+    store_grad = _store_grad_hook(manager)
+    grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
     activations = ActivationCounter(device.meter, manager.residency)
     adam = ChunkAdam(manager, param_groups, group_of, decoupled)
     return Engine(model, config, manager, hooks, activations, adam, choice, grad_handles)
+
+
+def _store_grad_hook(manager: ChunkManager) -> Callable[[torch.nn.Parameter], None]:
+    """The gradient hook, holding the manager weakly.
+
+    Tensor hooks live where Python's garbage collector cannot follow them, so a hook that
+    held the manager would close an uncollectable cycle (parameter -> hook -> manager ->
+    slot -> parameter): every engine built and dropped would keep all its chunks alive.
+    """
+    manager_ref = weakref.ref(manager)
+
+    def store_grad(param: torch.nn.Parameter) -> None:
+        live = manager_ref()
+        if live is not None:
+            live.store_grad(param)
+
+    return store_grad
 
 
 def _param_groups(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -331,6 +333,18 @@ def test_optimizer_states_live_on_device_when_everything_fits() -> None:
     assert set(engine.manager.optimizer_homes.values()) == {Tier.DEVICE}
     assert engine.ledger.bytes_moved(3) == 0
     assert engine.ledger.host.model_bytes == 0
+
+
+def test_a_dropped_engine_frees_its_chunks() -> None:
+    """Nothing outside the engine and its model keeps the chunk manager (and so every chunk
+    buffer) alive: building engines one after another must not accumulate memory."""
+    model = GPT(SMALL)
+    engine = make_engine(model, 100 * SMALL.num_parameters())
+    train_engine(engine, token_batches(2, batch=2, seq=16, vocab=64))
+    manager = weakref.ref(engine.manager)
+    del engine, model
+    gc.collect()
+    assert manager() is None
 
 
 def test_chunks_are_many_only_where_they_move() -> None:
