@@ -36,7 +36,7 @@ WORLD = 2
 # parameter differences of order lr per step whatever the implementation, drowning the
 # comparison with single-process training in noise.
 FULL = {"config": GPTConfig(vocab_size=8192, block_size=128, n_layer=10, n_head=10, n_embd=640, bias=False),
-        "local_batch": 2, "warmup": 2, "measure": 3, "rounds": 2}  # fmt: skip
+        "local_batch": 2, "warmup": 2, "measure": 5, "rounds": 2}  # fmt: skip
 QUICK = {"config": GPTConfig(vocab_size=2048, block_size=64, n_layer=4, n_head=4, n_embd=256, bias=False),
          "local_batch": 2, "warmup": 1, "measure": 2, "rounds": 1}  # fmt: skip
 OURS = ("chunkmem_z1", "chunkmem_z2", "chunkmem_z3")
