@@ -461,3 +461,34 @@ def test_padded_numel_refuses_negative_sizes_and_zero_multiples() -> None:
         padded_numel(-1, 4)
     with pytest.raises(ValueError, match="multiple must be >= 1, got 0"):
         padded_numel(4, 0)
+
+
+class _SlowStep:
+    """A point-to-point exchange that takes ``seconds`` to arrive, as gloo's Work waits."""
+
+    def __init__(self, seconds: float) -> None:
+        self._done_at = time.monotonic() + seconds
+
+    def wait(self, timeout) -> bool:
+        left = self._done_at - time.monotonic()
+        if left > timeout.total_seconds():
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Timed out waiting for the exchange")
+        time.sleep(max(left, 0.0))
+        return True
+
+
+def test_a_ring_wait_has_one_timeout_for_all_its_steps(monkeypatch) -> None:
+    """Three steps of 0.4 s each fit one 1 s timeout per step, but not 1 s in total: a peer
+    dying mid-ring must not stretch the wait to a timeout per step."""
+    from datetime import timedelta
+
+    from zero.ring import RingWork
+
+    monkeypatch.setattr(RingWork, "_launch_step", lambda self: [_SlowStep(0.4)])
+    full, shard = torch.zeros(8), torch.zeros(2)
+    ring = RingWork(full, shard, (0, 1, 2, 3), 0, None, reduce=False, tag=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="step 3 of 3|Timed out"):
+        ring.wait(timedelta(seconds=1.0))
+    assert time.monotonic() - start < 1.2

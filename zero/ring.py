@@ -15,6 +15,7 @@ and untagged messages between the same pair would be matched to the wrong ring.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -74,9 +75,14 @@ class RingWork:
             ]
         )
 
-    def _finish_step(self, timeout: timedelta) -> None:
+    def _finish_step(self, deadline: float) -> None:
         for work in self._works:
-            work.wait(timeout=timeout)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(
+                    f"ring step {self._step + 1} of {self._steps} did not finish in time"
+                )
+            work.wait(timeout=timedelta(seconds=left))
         if self._reduce:
             index = self._rank - self._step - 2
             target = (
@@ -89,8 +95,11 @@ class RingWork:
         self._works = self._launch_step() if self._step < self._steps else []
 
     def wait(self, timeout: timedelta) -> bool:
+        """Finish every remaining step within ``timeout`` in total, not per step: a peer that
+        dies mid-ring must not stretch the wait to one timeout per step."""
+        deadline = time.monotonic() + timeout.total_seconds()
         while self._step < self._steps:
-            self._finish_step(timeout)
+            self._finish_step(deadline)
         if self._reduce and self._steps == 0:
             self._shard.copy_(self._full)
         return True
