@@ -478,19 +478,19 @@ class ChunkManager:
             if not expected <= self._stored.get(layout.index, set()):
                 return
             self._reduce(layout, async_op=True)
-            self._retire_reductions()
+            self._retire_reductions(keep=MAX_REDUCTIONS_IN_FLIGHT)
 
-    def _retire_reductions(self) -> None:
-        """Complete reductions in launch order while the oldest is done or more than
-        MAX_REDUCTIONS_IN_FLIGHT are running: each frees its whole gradient chunk, so stage 2
-        holds a few gradient chunks during backward instead of all of them.
+    def _retire_reductions(self, keep: int) -> None:
+        """Complete reductions in launch order while the oldest is done or more than ``keep``
+        are running: each frees its whole gradient chunk, so stage 2 holds a few gradient
+        chunks during backward instead of all of them (``keep=0``: wait for all).
 
         Launch order is the same on every rank and only the oldest is ever waited for, so a
         rank blocked here waits on a ring its peers have launched and will finish.
         """
         while self._in_flight:
             layout, handle, _late = next(iter(self._in_flight.values()))
-            if len(self._in_flight) <= MAX_REDUCTIONS_IN_FLIGHT and not handle.is_completed():
+            if len(self._in_flight) <= keep and not handle.is_completed():
                 return
             self._complete(layout)
 
@@ -567,8 +567,7 @@ class ChunkManager:
                         layout, ChunkKind.GRAD, self.compute_dtype, None
                     )
                 self._reduce(layout, async_op=True)
-        while self._in_flight:  # in launch order, as _retire_reductions
-            self._complete(next(iter(self._in_flight.values()))[0])
+        self._retire_reductions(keep=0)
 
     def sync_grad_presence(self) -> None:
         """ZeRO: a parameter has a gradient if any rank produced one (as on the global batch)."""
