@@ -11,18 +11,24 @@ from typing import Any
 
 import torch
 
+from chunkmem.binding import ParamBinder
 from chunkmem.config import Config
 from chunkmem.devices import make_device
 from chunkmem.engine import Engine
 from chunkmem.errors import CapacityError, ConfigError
-from chunkmem.hooks import ActivationCounter, ModuleHooks
+from chunkmem.grads import GradStore
+from chunkmem.hooks import ModuleHooks
 from chunkmem.ledger import Ledger
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
+from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.packing import ChunkSizeChoice, padding_for, search_chunk_size
+from chunkmem.params import ParamStore
 from chunkmem.placement import Placement
 from chunkmem.residency import Residency
-from chunkmem.sharding import Sharding
+from chunkmem.saved_tensors import ActivationCounter
+from chunkmem.sharding import Strategy
+from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -76,56 +82,61 @@ def initialize(
     )
     separate_grads = not mixed or config.gradient_accumulation_steps > 1 or comm is not None
     _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
-    sharding = Sharding()
+    strategy = Strategy()
     if comm is not None:
         from zero.setup import check_ranks_agree, fingerprint
-        from zero.sharding import ZeroSharding
+        from zero.strategy import ZeroStrategy
 
         check_ranks_agree(comm, fingerprint(model, config, choice.size))
-        sharding = ZeroSharding(config.zero.stage, comm, device.torch_device)
+        strategy = ZeroStrategy(config.zero.stage, comm, device.torch_device)
 
-    ledger = Ledger(capacity, config.host.capacity, config.report.max_move_events)
-    tracer = Tracer()
+    tiers = TierSet(DeviceTier(device, capacity), HostTier(device, config.host.capacity))
+    ledger = Ledger(tiers.capacities(), config.report.max_move_events)
     placement = Placement(
         config.placement.policy,
         config.placement.prefetch,
         config.placement.nonmodel_margin,
         capacity,
     )
-    manager = ChunkManager(
-        Residency(device, ledger, tracer, placement),
-        compute_dtype,
-        choice.size,
-        keep_fp32_master=mixed,
-        grads_in_param_slot=not separate_grads,
-        optimizer_states_mode=config.placement.optimizer_states,
-        sharding=sharding,
+    residency = Residency(device, tiers, ledger, Tracer(), placement)
+    gatherer = strategy.gatherer(residency)
+    binder = ParamBinder(gatherer.compute_kind, compute_dtype, device.torch_device)
+    params = ParamStore(
+        residency, binder, strategy.sharding, compute_dtype, choice.size, keep_fp32_master=mixed
     )
-    manager.register(named)
+    residency.listener = binder
+    residency.filler = gatherer
+    reducer = strategy.reducer(params, residency)
+    grads = GradStore(params, residency, binder, reducer, grads_in_param_slot=not separate_grads)
+    manager = ChunkManager(params, residency, binder, gatherer, grads)
+    states = OptimizerStates(
+        params, residency, strategy.sharding, gatherer, reducer, config.placement.optimizer_states
+    )
+    params.register(named)
     _move_buffers(model, device.torch_device)
     hooks = ModuleHooks(manager)
     unit = config.placement.unit_elements
     hooks.attach(model, choice.size if unit == "chunk" else unit)
-    store_grad = _store_grad_hook(manager)
+    store_grad = _store_grad_hook(grads)
     grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
-    activations = ActivationCounter(device.meter, manager.residency)
-    adam = ChunkAdam(manager, param_groups, group_of, decoupled)
-    return Engine(model, config, manager, hooks, activations, adam, choice, grad_handles)
+    activations = ActivationCounter(device.meter, residency)
+    adam = ChunkAdam(manager, states, param_groups, group_of, decoupled)
+    return Engine(model, config, manager, states, hooks, activations, adam, choice, grad_handles)
 
 
-def _store_grad_hook(manager: ChunkManager) -> Callable[[torch.nn.Parameter], None]:
-    """The gradient hook, holding the manager weakly.
+def _store_grad_hook(grads: GradStore) -> Callable[[torch.nn.Parameter], None]:
+    """The gradient hook, holding the gradient store weakly.
 
     Tensor hooks live where Python's garbage collector cannot follow them, so a hook that
-    held the manager would close an uncollectable cycle (parameter -> hook -> manager ->
-    slot -> parameter): every engine built and dropped would keep all its chunks alive.
+    held the store would close an uncollectable cycle (parameter -> hook -> store -> slot ->
+    parameter): every engine built and dropped would keep all its chunks alive.
     """
-    manager_ref = weakref.ref(manager)
+    grads_ref = weakref.ref(grads)
 
     def store_grad(param: torch.nn.Parameter) -> None:
-        live = manager_ref()
+        live = grads_ref()
         if live is not None:
-            live.store_grad(param)
+            live.store(param)
 
     return store_grad
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+from collections import Counter
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -19,21 +20,18 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from chunkmem.chunk import ChunkKind, Tier
+from chunkmem.chunk import ChunkKind
 from chunkmem.config import Config
 from chunkmem.errors import EngineUsageError
-from chunkmem.hooks import (
-    ActivationCounter,
-    ModuleHooks,
-    UnhookedAccessMode,
-    cast_floating,
-    make_saved_tensor_hooks,
-)
+from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, clip_coefficient
+from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.packing import ChunkSizeChoice
+from chunkmem.report import RunSummary, write_report
+from chunkmem.saved_tensors import ActivationCounter, make_saved_tensor_hooks
 from chunkmem.states import TensorState
 from chunkmem.tracer import Tracer
 
@@ -73,6 +71,7 @@ class Engine:
         module: torch.nn.Module,
         config: Config,
         manager: ChunkManager,
+        states: OptimizerStates,
         hooks: ModuleHooks,
         activations: ActivationCounter,
         optimizer: ChunkAdam,
@@ -82,6 +81,12 @@ class Engine:
         self.module = module
         self.config = config
         self.manager = manager
+        self.params = manager.params
+        self.grads = manager.grads
+        self.gatherer = manager.gatherer
+        self.reducer = manager.grads.reducer
+        self.residency = manager.residency
+        self.states = states
         self.hooks = hooks
         self.activations = activations
         self.optimizer = optimizer
@@ -96,20 +101,20 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.last_grad_norm: float | None = None
-        self._pack, self._unpack = make_saved_tensor_hooks(manager, activations)
+        self._pack, self._unpack = make_saved_tensor_hooks(manager, activations, internal)
 
     # ---------------------------------------------------------------- accessors
     @property
     def ledger(self) -> Ledger:
-        return self.manager.ledger
+        return self.residency.ledger
 
     @property
     def tracer(self) -> Tracer:
-        return self.manager.tracer
+        return self.residency.tracer
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.manager.compute_dtype
+        return self.params.compute_dtype
 
     @property
     def loss_scale(self) -> float:
@@ -133,7 +138,7 @@ class Engine:
                 "finish the accumulation window with engine.step() first"
             )
         args, kwargs = cast_floating(
-            (args, kwargs), self.compute_dtype, self.manager.device.torch_device
+            (args, kwargs), self.compute_dtype, self.residency.device.torch_device
         )
         if not self.tracer.in_cycle:
             self.tracer.begin_cycle(
@@ -149,8 +154,8 @@ class Engine:
                 )
                 with mode:
                     output = self.module(*args, **kwargs)
-            if not self.manager.all_packed:
-                self.manager.pack_remaining(Tier.HOST)
+            if not self.params.all_packed:
+                self.params.pack_remaining(self.residency.tiers.spill)
         except BaseException:
             self._abort()
             raise
@@ -175,12 +180,12 @@ class Engine:
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         final = self.micro_steps + 1 == self.config.gradient_accumulation_steps
         try:
-            self.manager.begin_backward(final_micro_batch=final)
+            self.reducer.begin_backward(final_micro_batch=final)
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 (loss * factor if factor != 1.0 else loss).backward()
             self.hooks.finish_backward()
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
-            self.manager.finish_backward()
+            self.reducer.finish_backward()
         except BaseException:
             self._abort()
             raise
@@ -201,14 +206,10 @@ class Engine:
             self.phase = EnginePhase.IDLE
             return False
         try:
-            if self.manager.optimizer_homes is None:
+            if self.states.homes is None:
                 peak = max(self.tracer.observed.nonmodel_peak, default=0)
-                self.manager.place_optimizer_states(peak)
-            sharding = self.manager.sharding
-            if sharding.states_sharded:
-                if not sharding.grads_sharded_in_backward:
-                    self.manager.reduce_remaining()  # stage 1; stages 2-3 did in backward
-                self.manager.sync_grad_presence()
+                self.states.place(peak)
+            self.reducer.before_step()
             found_inf, divisor = self._unscale_and_clip()
             if found_inf:
                 self.optimizer.restore_from_masters()
@@ -240,23 +241,29 @@ class Engine:
         return False, scale / clip_coefficient(norm, clipping)
 
     def _end_cycle(self) -> None:
-        self.manager.clear_grads()
-        if self.manager.sharding.params_sharded:
-            self.manager.drop_gathered()
+        self.grads.clear()
+        self.gatherer.end_cycle()
         self.manager.reset_states()
         self.tracer.end_cycle()
         self.ledger.iteration += 1
-        self.manager.sharding.set_tag(self.ledger.iteration)
+        self.states.sharding.set_tag(self.ledger.iteration)
         self.micro_steps = 0
         self.phase = EnginePhase.IDLE
 
     def _abort(self) -> None:
-        self.hooks.reset()
-        self.manager.discard_grads()
-        self.manager.reset_states()
-        self.tracer.abandon_cycle()
-        self.micro_steps = 0
-        self.phase = EnginePhase.IDLE
+        """Undo the cycle after an exception: every owner releases what it holds (hook
+        frames, transient pins, reductions and gathers in flight, gradients, parameter
+        slots that held one), even if one of them raises (a collective that failed too)."""
+        try:
+            self.hooks.reset()
+            self.manager.reset_states()
+            with contextlib.ExitStack() as releases:
+                releases.callback(self.gatherer.cancel)
+                releases.callback(self.grads.discard)
+        finally:
+            self.tracer.abandon_cycle()
+            self.micro_steps = 0
+            self.phase = EnginePhase.IDLE
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -265,12 +272,10 @@ class Engine:
         Keys are those of ``module.state_dict()`` (tied parameters appear under each name).
         Under ZeRO the shards are gathered, so every rank must call it.
         """
-        values = {
-            layout.index: self.manager.layout_values(layout) for layout in self.manager.layouts
-        }
+        values = {layout.index: self.params.layout_values(layout) for layout in self.params.layouts}
         state = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            slot = self.manager.slot_of(value) if isinstance(value, torch.nn.Parameter) else None
+            slot = self.params.slot_of(value) if isinstance(value, torch.nn.Parameter) else None
             if slot is not None:
                 flat = values[slot.layout.index][slot.offset : slot.offset + slot.numel]
                 state[key] = flat.view(slot.shape).clone()
@@ -281,20 +286,41 @@ class Engine:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of chunks by kind, over both tiers (padding included)."""
         totals: dict[str, int] = {}
-        for chunk in self.manager.chunks.values():
+        for chunk in self.residency.chunks.values():
             totals[chunk.kind.value] = totals.get(chunk.kind.value, 0) + chunk.nbytes
         return totals
 
     def num_parameters(self) -> int:
-        return sum(s.numel for s in self.manager.slots.values()) + sum(
-            p.numel() for p in self.manager.pending
-        )
+        """Elements of the model's parameters (tied ones once), packed or not yet."""
+        return self.params.num_parameters()
 
     def write_report(self, directory: str | Path) -> dict[str, Path]:
         """Write the memory-trace report (formats from the config); returns the paths."""
-        from chunkmem.report import write_report
+        return write_report(
+            self.run_summary(), self.ledger, Path(directory), self.config.report.formats
+        )
 
-        return write_report(self, Path(directory), self.config.report.formats)
+    def run_summary(self) -> RunSummary:
+        """What a report needs to know about this run besides the ledger."""
+        homes = self.states.homes
+        return RunSummary(
+            device_kind=self.residency.device.kind,
+            precision=self.config.precision,
+            global_steps=self.global_steps,
+            loss_scale=self.loss_scale,
+            model_state_bytes=self.model_state_bytes(),
+            chunks=self.chunk_summary(),
+            padding_bytes=sum(
+                c.layout.padding * c.dtype.itemsize for c in self.residency.chunks.values()
+            ),
+            optimizer_state_homes=None
+            if homes is None
+            else dict(Counter(tier.name for tier in homes.values())),
+            repaired_grad_slots=list(self.grads.repaired_grad_slots),
+            cycles_recorded=self.tracer.cycles_recorded,
+            divergences=self.tracer.divergences,
+            config=self.config.model_dump(mode="json"),
+        )
 
     def close(self) -> None:
         """Remove every hook this engine put on the model."""
@@ -304,12 +330,12 @@ class Engine:
         self._grad_hook_handles.clear()
 
     def chunk_summary(self) -> dict[str, Any]:
-        layouts = self.manager.layouts
+        layouts = self.params.layouts
         return {
             "chunk_size_elements": self.chunk_choice.size,
             "layouts": len(layouts),
             "chunks_by_kind": {
-                kind.value: sum(1 for c in self.manager.chunks.values() if c.kind is kind)
+                kind.value: sum(1 for c in self.residency.chunks.values() if c.kind is kind)
                 for kind in ChunkKind
             },
             "padding_elements": sum(layout.padding for layout in layouts),

@@ -15,7 +15,6 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from chunkmem.chunk import Tier
 from chunkmem.tracer import Trace, Tracer
 
 POLICIES = ("belady", "lru")
@@ -47,7 +46,7 @@ class MomentPlan:
 
 def plan_moment(
     resident: set[int],
-    needed: dict[int, Tier],
+    needed: dict[int, bool],
     nbytes: Callable[[int], int],
     budget: int,
     movable: Callable[[int], bool],
@@ -55,15 +54,16 @@ def plan_moment(
 ) -> MomentPlan:
     """Bring every chunk needed on the device in, keeping resident bytes within ``budget``.
 
-    Chunks needed on the host go there first. Each incoming chunk first evicts the best
+    ``needed`` maps chunk ids to whether the moment needs them on the device; chunks it needs
+    off the device (an update where their states live) go there first. Each incoming chunk first evicts the best
     victims until it fits; the budget is soft (the needed chunks are always admitted), and the
     hard capacity is the ledger's to enforce.
     """
     resident = set(resident)
-    to_host = [c for c, tier in needed.items() if tier is Tier.HOST and c in resident]
+    to_host = [c for c, on_device in needed.items() if not on_device and c in resident]
     resident.difference_update(to_host)
     used = sum(nbytes(c) for c in resident)
-    incoming = [c for c, tier in needed.items() if tier is Tier.DEVICE]
+    incoming = [c for c, on_device in needed.items() if on_device]
     protected = set(incoming)
     to_device = []
     for chunk in incoming:
@@ -142,8 +142,8 @@ class Placement:
         targets = []
         seen = set()
         for index, accessed in tracer.upcoming(self.lookahead):
-            for chunk_id, tier in accessed.items():
-                if tier is Tier.DEVICE and chunk_id not in seen:
+            for chunk_id, on_device in accessed.items():
+                if on_device and chunk_id not in seen:
                     seen.add(chunk_id)
                     targets.append((index - tracer.index, chunk_id))
         return targets
@@ -200,8 +200,8 @@ def simulate_traffic(
                     dead.discard(chunk)  # allocated fresh: nothing to copy
                 else:
                     to_device += nbytes[chunk]
-            for chunk, tier in accessed.items():
-                if tier is Tier.DEVICE:
+            for chunk, on_device in accessed.items():
+                if on_device:
                     tick += 1
                     last_access[chunk] = tick
             if trace.streamed:

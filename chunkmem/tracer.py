@@ -19,7 +19,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from chunkmem._enum import FastHashEnum
-from chunkmem.chunk import Tier
 
 _TRACES_PER_SIGNATURE = 4
 _SIGNATURES = 64  # least recently used signatures beyond this are forgotten
@@ -51,9 +50,10 @@ class Trace:
     """What one cycle did: moments in order, chunks each needed and where, non-model peaks."""
 
     moments: list[Moment] = field(default_factory=list)
-    accesses: list[dict[int, Tier]] = field(default_factory=list)  # chunk id -> tier needed
+    # chunk id -> whether the moment needed it on the compute device (False: where it lives)
+    accesses: list[dict[int, bool]] = field(default_factory=list)
     freed: list[set[int]] = field(default_factory=list)  # chunks whose content died here
-    # Bytes streamed at a moment without moving a chunk (to the device, to the host).
+    # Bytes streamed at a moment without moving a chunk (into the device, out of it).
     streamed: list[tuple[int, int]] = field(default_factory=list)
     nonmodel_peak: list[int] = field(default_factory=list)  # until the next moment
     _device_uses: dict[int, list[int]] = field(default_factory=dict)
@@ -66,8 +66,8 @@ class Trace:
         """Index every chunk's device uses for fast next-use queries."""
         uses: dict[int, list[int]] = {}
         for index, accessed in enumerate(self.accesses):
-            for chunk_id, tier in accessed.items():
-                if tier is Tier.DEVICE:
+            for chunk_id, on_device in accessed.items():
+                if on_device:
                     uses.setdefault(chunk_id, []).append(index)
         self._device_uses = uses
         self.max_nonmodel = max(self.nonmodel_peak, default=0)
@@ -142,21 +142,21 @@ class Tracer:
                 self.divergences += 1
         return self.index
 
-    def on_access(self, chunk_id: int, tier: Tier) -> None:
+    def on_access(self, chunk_id: int, on_device: bool) -> None:
         if self.index >= 0:
             accessed = self.observed.accesses[self.index]
-            # DEVICE wins: a chunk needed on the device at this moment must be there.
-            if accessed.get(chunk_id) is not Tier.DEVICE:
-                accessed[chunk_id] = tier
+            # The device wins: a chunk needed on the device at this moment must be there.
+            if not accessed.get(chunk_id, False):
+                accessed[chunk_id] = on_device
 
-    def on_stream(self, nbytes: int, to: Tier) -> None:
+    def on_stream(self, nbytes: int, to_device: bool) -> None:
         if self.index >= 0:
-            to_device, to_host = self.observed.streamed[self.index]
-            if to is Tier.DEVICE:
-                to_device += nbytes
+            into_device, out_of_device = self.observed.streamed[self.index]
+            if to_device:
+                into_device += nbytes
             else:
-                to_host += nbytes
-            self.observed.streamed[self.index] = (to_device, to_host)
+                out_of_device += nbytes
+            self.observed.streamed[self.index] = (into_device, out_of_device)
 
     def on_free(self, chunk_id: int) -> None:
         if self.index >= 0:
@@ -213,7 +213,7 @@ class Tracer:
         assert self.replay is not None
         return self.replay.next_device_use(chunk_id, self.index)
 
-    def current_accesses(self) -> dict[int, Tier]:
+    def current_accesses(self) -> dict[int, bool]:
         """What the replayed trace says the current moment accesses."""
         if self.replay is None or not 0 <= self.index < len(self.replay):
             return {}
@@ -232,7 +232,7 @@ class Tracer:
             self.replay.moments[i % count].phase is phase for i in range(self.index + 1, stop + 1)
         )
 
-    def upcoming(self, lookahead: int) -> list[tuple[int, dict[int, Tier]]]:
+    def upcoming(self, lookahead: int) -> list[tuple[int, dict[int, bool]]]:
         """The next ``lookahead`` moments' accesses, wrapping into the next cycle."""
         if self.replay is None or not len(self.replay):
             return []

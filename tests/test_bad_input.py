@@ -60,7 +60,7 @@ def test_tensor_larger_than_chunk_gets_its_own_chunk() -> None:
     model = GPT(SMALL)
     engine = chunkmem.initialize(model, config=simulated(10**7, chunk={"size": 1024}))
     train_engine(engine, token_batches(1, batch=2, seq=16, vocab=64))
-    wte = engine.manager.slot_of(engine.module.wte.weight)
+    wte = engine.params.slot_of(engine.module.wte.weight)
     layout = wte.layout
     assert wte.numel > 1024 and layout.capacity == wte.numel and len(layout.slots) == 1
 
