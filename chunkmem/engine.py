@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from chunkmem.chunk import ChunkKind
 from chunkmem.config import Config
-from chunkmem.errors import EngineUsageError
+from chunkmem.errors import CollectiveError, EngineUsageError
 from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
@@ -42,11 +42,15 @@ class EnginePhase(enum.Enum):
     IDLE: no graph pending; a forward may start.
     FORWARD_DONE: a training forward ran; ``backward`` must follow.
     BACKWARD_DONE: gradients are stored in chunks; ``step`` must follow.
+    STOPPED: an exception left a state the engine cannot train on (a collective failed, so
+    the process group may be unusable; or a step failed after updating some parameters, so
+    they no longer match one another). Every call raises, saying why; restore a checkpoint.
     """
 
     IDLE = "idle"
     FORWARD_DONE = "forward_done"
     BACKWARD_DONE = "backward_done"
+    STOPPED = "stopped"
 
 
 def input_signature(args: tuple, kwargs: dict) -> Hashable:
@@ -101,6 +105,7 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.last_grad_norm: float | None = None
+        self.stopped_because: str | None = None
         self._pack, self._unpack = make_saved_tensor_hooks(manager, activations, internal)
 
     # ---------------------------------------------------------------- accessors
@@ -122,6 +127,7 @@ class Engine:
 
     # ---------------------------------------------------------------- the three calls
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_not_stopped()
         if self.phase is EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
                 "forward called again before backward; call engine.backward(loss) first, or "
@@ -156,8 +162,8 @@ class Engine:
                     output = self.module(*args, **kwargs)
             if not self.params.all_packed:
                 self.params.pack_remaining(self.residency.tiers.spill)
-        except BaseException:
-            self._abort()
+        except BaseException as error:
+            self._abort(error)
             raise
         if training:
             self.phase = EnginePhase.FORWARD_DONE
@@ -168,6 +174,7 @@ class Engine:
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        self._check_not_stopped()
         if self.phase is not EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
                 f"engine.backward() needs a training forward first (the engine is {self.phase.value})"
@@ -186,8 +193,8 @@ class Engine:
             self.hooks.finish_backward()
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
             self.reducer.finish_backward()
-        except BaseException:
-            self._abort()
+        except BaseException as error:
+            self._abort(error)
             raise
         self.phase = EnginePhase.BACKWARD_DONE
 
@@ -197,6 +204,7 @@ class Engine:
         Returns True when the parameters were updated, False when only a micro-step was
         counted or an fp16 overflow skipped the update.
         """
+        self._check_not_stopped()
         if self.phase is not EnginePhase.BACKWARD_DONE:
             raise EngineUsageError(
                 f"engine.step() needs engine.backward() first (the engine is {self.phase.value})"
@@ -205,6 +213,7 @@ class Engine:
         if self.micro_steps < self.config.gradient_accumulation_steps:
             self.phase = EnginePhase.IDLE
             return False
+        self.optimizer.layouts_updated = 0
         try:
             if self.states.homes is None:
                 peak = max(self.tracer.observed.nonmodel_peak, default=0)
@@ -216,8 +225,15 @@ class Engine:
             else:
                 self.optimizer.step(divisor)
             self.scaler.update(found_inf)
-        except BaseException:
-            self._abort()
+        except BaseException as error:
+            updated = self.optimizer.layouts_updated
+            self._abort(error)
+            if updated and self.stopped_because is None:
+                self._stop(
+                    f"engine.step() failed after it began updating {updated} chunk group(s) of "
+                    f"parameters ({type(error).__name__}: {error}); the others were not "
+                    f"updated, so the model is no longer one consistent state"
+                )
             raise
         self._end_cycle()
         self.global_steps += 1
@@ -250,20 +266,35 @@ class Engine:
         self.micro_steps = 0
         self.phase = EnginePhase.IDLE
 
-    def _abort(self) -> None:
-        """Undo the cycle after an exception: every owner releases what it holds (hook
-        frames, transient pins, reductions and gathers in flight, gradients, parameter
-        slots that held one), even if one of them raises (a collective that failed too)."""
+    def _abort(self, error: BaseException) -> None:
+        """Undo the cycle after ``error``: every owner releases what it holds (hook frames,
+        transient pins, reductions and gathers in flight, gradients, parameter slots that
+        held one), even if one of them raises. A failed collective stops the engine."""
         try:
             self.hooks.reset()
             self.manager.reset_states()
             with contextlib.ExitStack() as releases:
                 releases.callback(self.gatherer.cancel)
                 releases.callback(self.grads.discard)
+        except CollectiveError as cancel_error:
+            error = cancel_error
         finally:
             self.tracer.abandon_cycle()
             self.micro_steps = 0
             self.phase = EnginePhase.IDLE
+            if isinstance(error, CollectiveError):
+                self._stop(f"a collective failed ({error})")
+
+    def _stop(self, reason: str) -> None:
+        self.stopped_because = reason
+        self.phase = EnginePhase.STOPPED
+
+    def _check_not_stopped(self) -> None:
+        if self.phase is EnginePhase.STOPPED:
+            raise EngineUsageError(
+                f"the engine stopped and cannot train on: {self.stopped_because}. Restore "
+                f"the last checkpoint in a new engine (and a new process group)."
+            )
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -94,6 +94,7 @@ class ChunkAdam:
         self.group_of = group_of
         self.decoupled = decoupled_weight_decay
         self.step_counts: dict[TensorSlot, torch.Tensor] = {}
+        self.layouts_updated = 0  # layouts the running step began to update
 
     def _step_tensor(self, slot: TensorSlot, device: torch.device) -> torch.Tensor:
         counter = self.step_counts.get(slot)
@@ -107,10 +108,12 @@ class ChunkAdam:
         """Update every parameter that has a gradient; the gatherer makes each updated layout
         whole again where ranks compute on it (ZeRO 1-2) and ``finish_step`` waits for that."""
         divisor = grad_divisor * self.sharding.world_size
+        self.layouts_updated = 0
         try:
             for layout in self.params.trainable_layouts():
                 pieces = owned_pieces(layout, self.states.state_span(layout))
                 if pieces:
+                    self.layouts_updated += 1  # counted first: a half update counts too
                     self._step_layout(layout, pieces, divisor)
                 self.gatherer.after_update(layout)
         finally:
