@@ -52,8 +52,8 @@ def run(
     }
     if policy == "belady":
         trace = engine.tracer.traces_for(next(iter(engine.tracer._traces)))[-1]
-        nbytes = {c.id: c.nbytes for c in engine.manager.chunks.values()}
-        static = engine.manager.residency.static_device_bytes()
+        nbytes = {c.id: c.nbytes for c in engine.residency.chunks.values()}
+        static = engine.residency.static_device_bytes()
         budgets = [capacity - static - peak for peak in trace.nonmodel_peak]
         for offline in ("belady", "lru"):
             replay = simulate_traffic(trace, nbytes, budgets, offline)

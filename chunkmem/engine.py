@@ -130,8 +130,9 @@ class Engine:
         self._check_not_stopped()
         if self.phase is EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
-                "forward called again before backward; call engine.backward(loss) first, or "
-                "run evaluation forwards under torch.no_grad()"
+                "forward called again before backward; call engine.backward(loss) first, "
+                "engine.discard() to drop that batch, or run evaluation forwards under "
+                "torch.no_grad()"
             )
         if self.phase is EnginePhase.BACKWARD_DONE:
             raise EngineUsageError(
@@ -273,6 +274,7 @@ class Engine:
         try:
             self.hooks.reset()
             self.manager.reset_states()
+            self.activations.release_all()
             with contextlib.ExitStack() as releases:
                 releases.callback(self.gatherer.cancel)
                 releases.callback(self.grads.discard)
@@ -284,6 +286,14 @@ class Engine:
             self.phase = EnginePhase.IDLE
             if isinstance(error, CollectiveError):
                 self._stop(f"a collective failed ({error})")
+
+    def discard(self) -> None:
+        """Drop everything since the last optimizer step: the pending forward's graph and
+        activations, and the gradients of this accumulation window. The parameters and
+        optimizer states are untouched, and the next forward starts a fresh cycle (e.g. after
+        a loss that is not finite, or a batch the caller decides to skip)."""
+        self._check_not_stopped()
+        self._abort(EngineUsageError("discarded"))
 
     def _stop(self, reason: str) -> None:
         self.stopped_because = reason

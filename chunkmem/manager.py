@@ -94,6 +94,8 @@ class ChunkManager:
                 layouts[slot.layout.index] = slot.layout
         for layout in layouts.values():
             self.gatherer.released(layout)
+        if layouts:
+            self.residency.after_release()
 
     def release_all(self, state: TensorState) -> None:
         """End of a phase: whatever is still in COMPUTE goes to ``state``."""

@@ -121,6 +121,14 @@ class Placement:
         peak = tracer.traced_nonmodel_peak(tracer.index, tracer.index + 1 + moments_ahead)
         return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
 
+    def release_budget(self, tracer: Tracer, static_bytes: int) -> int:
+        """Bytes chunks may hold once the current moment's chunks are released, until the
+        next moment. Recording: zero, as for :meth:`chunk_budget`."""
+        if not tracer.replaying:
+            return 0
+        peak = tracer.traced_nonmodel_after_release()
+        return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
+
     def lowest_budget(self, tracer: Tracer, static_bytes: int) -> int | None:
         """The smallest chunk budget of any moment of the replayed trace (None: recording)."""
         if tracer.replay is None:

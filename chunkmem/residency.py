@@ -397,6 +397,15 @@ class Residency:
                 break
             self.move(chunk, self.compute, "prefetch")
 
+    def after_release(self) -> None:
+        """Chunks of the current moment were released: keep room for the non-model bytes the
+        trace saw after that point (the loss after the last layer's forward), evicting now
+        rather than after those bytes exist."""
+        self.tracer.on_release()
+        budget = self.placement.release_budget(self.tracer, self.static_device_bytes())
+        if self._resident_bytes > budget:
+            self.evict_for(0, budget, protect=set(), reason="evict")
+
     # ------------------------------------------------------------------ non-model bytes
     def account_nonmodel(self) -> int:
         """Record the device's current non-model bytes in the ledger and the trace."""

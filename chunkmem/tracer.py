@@ -56,6 +56,9 @@ class Trace:
     # Bytes streamed at a moment without moving a chunk (into the device, out of it).
     streamed: list[tuple[int, int]] = field(default_factory=list)
     nonmodel_peak: list[int] = field(default_factory=list)  # until the next moment
+    # The part of that peak reached after the moment's chunks were released (e.g. the loss
+    # computed after the last layer's forward): chunks in use then may not stay for it.
+    nonmodel_after_release: list[int] = field(default_factory=list)
     _device_uses: dict[int, list[int]] = field(default_factory=dict)
     max_nonmodel: int = 0
 
@@ -110,6 +113,7 @@ class Tracer:
         self.index = -1
         self.cycles_recorded = 0
         self.divergences = 0
+        self._released = False
 
     @property
     def replaying(self) -> bool:
@@ -136,6 +140,8 @@ class Tracer:
         self.observed.freed.append(set())
         self.observed.streamed.append((0, 0))
         self.observed.nonmodel_peak.append(nonmodel_now)
+        self.observed.nonmodel_after_release.append(0)
+        self._released = False
         if self.replay is not None and not self._matches(self.replay):
             self.replay = self._find_matching()
             if self.replay is None:
@@ -163,8 +169,17 @@ class Tracer:
             self.observed.freed[self.index].add(chunk_id)
 
     def on_nonmodel(self, nbytes: int) -> None:
-        if self.index >= 0 and nbytes > self.observed.nonmodel_peak[self.index]:
-            self.observed.nonmodel_peak[self.index] = nbytes
+        if self.index < 0:
+            return
+        observed = self.observed
+        if nbytes > observed.nonmodel_peak[self.index]:
+            observed.nonmodel_peak[self.index] = nbytes
+        if self._released and nbytes > observed.nonmodel_after_release[self.index]:
+            observed.nonmodel_after_release[self.index] = nbytes
+
+    def on_release(self) -> None:
+        """The current moment's chunks were released; later growth may not keep them."""
+        self._released = True
 
     def end_cycle(self) -> None:
         """Keep what this cycle taught: a new trace, or higher peaks for the replayed one."""
@@ -173,10 +188,10 @@ class Tracer:
         observed = self.observed
         replayed = self.replay
         if replayed is not None and len(replayed) == len(observed):
-            replayed.nonmodel_peak = [
-                max(a, b)
-                for a, b in zip(replayed.nonmodel_peak, observed.nonmodel_peak, strict=True)
-            ]
+            replayed.nonmodel_peak = _higher(replayed.nonmodel_peak, observed.nonmodel_peak)
+            replayed.nonmodel_after_release = _higher(
+                replayed.nonmodel_after_release, observed.nonmodel_after_release
+            )
             replayed.accesses = observed.accesses
             replayed.freed = observed.freed
             replayed.streamed = observed.streamed
@@ -244,5 +259,14 @@ class Tracer:
         assert self.replay is not None
         return self.replay.peak_nonmodel(start, stop)
 
+    def traced_nonmodel_after_release(self) -> int:
+        """The traced non-model peak after the current moment's chunks are released."""
+        assert self.replay is not None
+        return self.replay.nonmodel_after_release[self.index]
+
     def traces_for(self, signature: Hashable) -> list[Trace]:
         return list(self._traces.get(signature, []))
+
+
+def _higher(a: list[int], b: list[int]) -> list[int]:
+    return [max(x, y) for x, y in zip(a, b, strict=True)]
