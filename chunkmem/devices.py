@@ -182,16 +182,23 @@ class CudaDevice(ComputeDevice):
             return torch.empty(numel, dtype=dtype)
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        # [Note: one pool for chunk memory] The buffer is allocated on the compute stream, like
+        # every other chunk payload (``empty``). The caching allocator keeps a pool per stream
+        # and never hands a block freed by one stream's allocation to another's: buffers
+        # allocated on the copy stream would strand the memory of evicted chunks where new
+        # gradient and gathered chunks (compute stream) cannot reuse it, growing the reserved
+        # memory beyond the capacity. The copy stream waits for the compute stream first,
+        # since the block may have been freed by compute work that is still queued.
         compute = torch.cuda.current_stream(self.torch_device)
+        buffer = torch.empty(host.numel(), dtype=host.dtype, device=self.torch_device)
+        self.copy_stream.wait_stream(compute)
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_stream(compute)
-            buffer = torch.empty(host.numel(), dtype=host.dtype, device=self.torch_device)
             buffer.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        # The buffer was allocated on the copy stream; tell the allocator the compute stream
-        # uses it too, so its memory is not reused before compute work on it finished.
-        buffer.record_stream(compute)
+        # Should the buffer be freed before the compute stream waited for the event, its block
+        # must not be reused while the copy stream still writes it.
+        buffer.record_stream(self.copy_stream)
         return buffer, event
 
     def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:
