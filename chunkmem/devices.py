@@ -24,7 +24,9 @@ class NonModelMeter:
     """Current and peak non-model bytes on the device since the last ``reset_peak``.
 
     The hooks report every saved activation and in-flight gradient with ``add``/``remove``;
-    the simulated device uses those counts as its measurement.
+    the simulated device uses those counts as its measurement. ``accounted_bytes`` is what the
+    ledger holds on the device (chunks and workspaces); a meter that measures all device
+    memory subtracts it.
     """
 
     def __init__(self) -> None:
@@ -38,30 +40,41 @@ class NonModelMeter:
     def remove(self, nbytes: int) -> None:
         self._counted -= nbytes
 
-    def current(self, chunk_bytes_on_device: int) -> int:
+    def current(self, accounted_bytes: int) -> int:
         return self._counted
 
-    def peak(self, chunk_bytes_on_device: int) -> int:
+    def peak(self, accounted_bytes: int) -> int:
         return self._peak
 
-    def reset_peak(self, chunk_bytes_on_device: int) -> None:
-        self._peak = self.current(chunk_bytes_on_device)
+    def reset_peak(self, accounted_bytes: int) -> None:
+        self._peak = self.current(accounted_bytes)
 
 
 class CudaAllocatorMeter(NonModelMeter):
-    """Non-model bytes = bytes the CUDA caching allocator has allocated minus chunk bytes."""
+    """Non-model bytes = bytes the CUDA caching allocator has allocated minus the ledger's
+    chunks and workspaces (which the allocator holds too: counting them as non-model memory
+    as well would count them twice).
+
+    It reads the allocator's nested statistics: ``torch.cuda.memory_allocated`` flattens and
+    sorts every statistic on each call, and the engine asks at every saved tensor.
+    ``reset_peak`` resets the peaks of ``torch.cuda.max_memory_allocated`` too: the allocator
+    keeps one peak per device.
+    """
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self._device = device
 
-    def current(self, chunk_bytes_on_device: int) -> int:
-        return max(0, torch.cuda.memory_allocated(self._device) - chunk_bytes_on_device)
+    def _allocated(self) -> dict[str, int]:
+        return torch.cuda.memory_stats_as_nested_dict(self._device)["allocated_bytes"]["all"]
 
-    def peak(self, chunk_bytes_on_device: int) -> int:
-        return max(0, torch.cuda.max_memory_allocated(self._device) - chunk_bytes_on_device)
+    def current(self, accounted_bytes: int) -> int:
+        return max(0, self._allocated()["current"] - accounted_bytes)
 
-    def reset_peak(self, chunk_bytes_on_device: int) -> None:
+    def peak(self, accounted_bytes: int) -> int:
+        return max(0, self._allocated()["peak"] - accounted_bytes)
+
+    def reset_peak(self, accounted_bytes: int) -> None:
         torch.cuda.reset_peak_memory_stats(self._device)
 
 
