@@ -170,6 +170,7 @@ class Engine:
             self.phase = EnginePhase.FORWARD_DONE
         else:
             self.manager.reset_states()
+            self.residency.trace_nonmodel_peak()
             self.tracer.end_cycle()
         return output
 
@@ -261,6 +262,7 @@ class Engine:
         self.grads.clear()
         self.gatherer.end_cycle()
         self.manager.reset_states()
+        self.residency.trace_nonmodel_peak()
         self.tracer.end_cycle()
         self.ledger.iteration += 1
         self.states.sharding.set_tag(self.ledger.iteration)

@@ -266,7 +266,12 @@ class ChunkAdam:
         norms = []
         for layout in self.params.trainable_layouts():
             pieces = owned_pieces(layout, self.states.state_span(layout))
-            views = [grad_source(s).span(s, lo, hi) for s, lo, hi in pieces]
+            sources = [grad_source(s) for s, _lo, _hi in pieces]
+            # A gradient chunk evicted in backward may still be copying to the host (or one
+            # fetched back, to the device): wait for it, as every other reader does.
+            for chunk in dict.fromkeys(sources):
+                self.residency.ready(chunk)
+            views = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
             if views:
                 norms.extend(n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32))
         local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())

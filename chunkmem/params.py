@@ -163,10 +163,11 @@ class ParamStore:
             raise RuntimeError(
                 "parameters hold their gradients until the optimizer step; read values between steps"
             )
+        if source.is_whole:
+            return source.payload.to("cpu", copy=True)
+        # The collective runs on the compute device (NCCL takes only GPU tensors).
         device = self.residency.device.torch_device
         payload = source.payload.to(device)
-        if source.is_whole:
-            return payload.to("cpu", copy=True)
         full = torch.empty(layout.capacity, dtype=source.dtype, device=device)
         self.sharding.all_gather(payload, full)
         return full.cpu()

@@ -95,9 +95,13 @@ class Residency:
         """Give a chunk without payload one on ``tier``; no bytes move. ``zeroed=False`` for
         a payload the caller overwrites entirely (a gather or reduce-scatter target)."""
         what = f"a {chunk.kind.value} chunk"
+        if tier.compute:
+            self.trace_nonmodel_peak()
         self.ledger.allocate(tier.name, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
         payload = tier.allocate(chunk.numel, chunk.dtype)
         self._set_payload(chunk, payload.zero_() if zeroed else payload, tier)
+        if tier.compute:
+            self._restart_nonmodel_peak()
 
     def free_payload(self, chunk: Chunk) -> None:
         """Drop a chunk's payload: its content is dead (gradients after the step, a gathered
@@ -105,10 +109,15 @@ class Residency:
         if chunk.tier is None or chunk.payload is None:
             return
         self.ready(chunk)
-        if chunk.tier.compute and self.listener is not None:
-            self.listener.chunk_leaving(chunk)
+        on_device = chunk.tier.compute
+        if on_device:
+            self.trace_nonmodel_peak()
+            if self.listener is not None:
+                self.listener.chunk_leaving(chunk)
         self.ledger.free(chunk.tier.name, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
         self._set_payload(chunk, None, None)
+        if on_device:
+            self._restart_nonmodel_peak()
         self.tracer.on_free(chunk.id)
 
     def _set_payload(
@@ -174,6 +183,9 @@ class Residency:
             raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
         if not dst.compute:
             self.make_tier_room(dst, chunk.nbytes, protect={chunk.id})
+        device_bytes_change = src.compute or dst.compute
+        if device_bytes_change:
+            self.trace_nonmodel_peak()
         self.ledger.allocate(
             dst.name,
             chunk.kind.value,
@@ -187,6 +199,8 @@ class Residency:
         payload, event = dst.copy_in(chunk.payload)
         self.ledger.free(src.name, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
         self._set_payload(chunk, payload, dst)
+        if device_bytes_change:
+            self._restart_nonmodel_peak()
         chunk.pending_event = event
         self.ledger.record_move(
             chunk.id, chunk.kind.value, src.name, dst.name, chunk.nbytes, reason
@@ -359,12 +373,12 @@ class Residency:
     def enter_moment(self, moment: Moment) -> None:
         """A module's pre-forward / pre-backward or a step: sample, then let go of pins."""
         self.release_transient_pins()
-        chunk_bytes = self.ledger.device.model_bytes
-        nonmodel = self.device.meter.current(chunk_bytes)
+        self.trace_nonmodel_peak()  # the peak of the moment that ends here
+        nonmodel = self.device.meter.current(self.accounted_device_bytes())
         index = self.tracer.on_moment(moment, nonmodel)
         self.ledger.set_nonmodel(nonmodel)
         self.ledger.sample_moment(index, moment.name)
-        self.device.meter.reset_peak(chunk_bytes)
+        self._restart_nonmodel_peak()
 
     def after_access(self) -> None:
         """Once a moment's chunks are in: keep within the budget, then prefetch."""
@@ -407,9 +421,30 @@ class Residency:
             self.evict_for(0, budget, protect=set(), reason="evict")
 
     # ------------------------------------------------------------------ non-model bytes
+    def accounted_device_bytes(self) -> int:
+        """Device bytes the ledger holds (chunks and workspaces): the rest is non-model."""
+        return self.ledger.device.model_bytes + self.ledger.device.workspace_bytes
+
+    def trace_nonmodel_peak(self) -> None:
+        """Trace the highest non-model bytes since the last restart at the current moment.
+
+        [Note: non-model peaks between samples] The hooks sample non-model bytes at moments,
+        saved tensors and gradients. What lives only inside an operator (an output before it
+        is saved, the gradient of the logits, an attention workspace) falls between samples;
+        on CUDA the allocator's peak covers it, and a trace without it budgets too many chunks
+        at that moment. The peak is the allocator's minus the ledger's device bytes, so it is
+        read before and restarted after every change of those (a chunk allocated, freed or
+        moved, a workspace), when the allocator and the ledger agree, and at every moment.
+        The simulated device counts only what the hooks sample, so this adds nothing there.
+        """
+        self.tracer.on_nonmodel(self.device.meter.peak(self.accounted_device_bytes()))
+
+    def _restart_nonmodel_peak(self) -> None:
+        self.device.meter.reset_peak(self.accounted_device_bytes())
+
     def account_nonmodel(self) -> int:
         """Record the device's current non-model bytes in the ledger and the trace."""
-        nonmodel = self.device.meter.current(self.ledger.device.model_bytes)
+        nonmodel = self.device.meter.current(self.accounted_device_bytes())
         self.ledger.set_nonmodel(nonmodel)
         self.tracer.on_nonmodel(nonmodel)
         return nonmodel
@@ -449,12 +484,20 @@ class Residency:
         nbytes = numel * dtype.itemsize
         if tier.compute:
             self.make_room(nbytes, protect, "workspace", within)
+            self.trace_nonmodel_peak()
         else:
             self.make_tier_room(tier, nbytes, protect, within)
         self.ledger.allocate(tier.name, WORKSPACE, nbytes, "a workspace", WORKSPACE)
-        return tier.allocate(numel, dtype)
+        buffer = tier.allocate(numel, dtype)
+        if tier.compute:
+            self._restart_nonmodel_peak()
+        return buffer
 
     def free_workspace(self, buffer: torch.Tensor, tier: StorageTier) -> None:
+        """Until the caller drops ``buffer`` the allocator still holds it, so the peak is not
+        restarted here: until the next change it may read high by the workspace, never low."""
+        if tier.compute:
+            self.trace_nonmodel_peak()
         self.ledger.free(tier.name, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
         tier.free(buffer)
 

@@ -53,15 +53,18 @@ def formula(stage: int, precision: str, elements: int, world: int) -> int:
     return (p + g + s) * elements // world
 
 
-def train_rank(comm, stage: int, precision: str, accumulation: int) -> dict:
-    """One rank: train STEPS steps on its slice; report state, bytes and volume."""
+def train_rank(
+    comm, stage: int, precision: str, accumulation: int, device: dict | None = None
+) -> dict:
+    """One rank: train STEPS steps on its slice; report state, bytes and volume. ``device`` is
+    the config's device section (default: a simulated device of 64 MiB)."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     engine = chunkmem.initialize(
         model,
         config={
             "precision": precision,
-            "device": {"type": "simulated", "capacity": "64MiB"},
+            "device": device or {"type": "simulated", "capacity": "64MiB"},
             "chunk": {"size": CHUNK},
             "optimizer": {"lr": LR},
             "gradient_accumulation_steps": accumulation,
@@ -92,20 +95,31 @@ def train_rank(comm, stage: int, precision: str, accumulation: int) -> dict:
     }
 
 
-def reference(world: int, precision: str, accumulation: int) -> dict[str, torch.Tensor]:
+def reference(
+    world: int, precision: str, accumulation: int, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Single-process training on the global batch with plain PyTorch on ``device``; the
+    masters on the CPU."""
     torch.manual_seed(0)
-    model = GPT(CONFIG)
-    rows = global_batches(world, STEPS * accumulation)
+    model = GPT(CONFIG).to(device)
+    rows = global_batches(world, STEPS * accumulation).to(device)
     batches = [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in rows]
     run = train_reference(
         copy.deepcopy(model), batches, precision=precision, lr=LR,
         gradient_accumulation_steps=accumulation,
     )  # fmt: skip
-    return run.masters
+    return {name: value.cpu() for name, value in run.masters.items()}
 
 
-def check(results: list[dict], stage: int, precision: str, world: int, accumulation: int) -> None:
-    expected = reference(world, precision, accumulation)
+def check(
+    results: list[dict],
+    stage: int,
+    precision: str,
+    world: int,
+    accumulation: int,
+    device: str = "cpu",
+) -> None:
+    expected = reference(world, precision, accumulation, device)
     for rank, result in enumerate(results):
         ours = {k: v for k, v in result["state"].items() if k in expected}
         assert max_relative_diff(ours, expected) <= TOLERANCE[precision], f"rank {rank}"

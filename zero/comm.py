@@ -34,7 +34,7 @@ from torch import Tensor
 
 from chunkmem.errors import CollectiveError
 from zero.process_group import Group, create_group, init_world
-from zero.ring import RingWork
+from zero.ring import HostStagedRing, RingWork
 
 __all__ = [
     "CollectiveError",
@@ -205,7 +205,7 @@ class Communicator:
             full,
             numel * (g.size - 1) // g.size,
             lambda: (
-                RingWork(
+                _ring_for(full)(
                     full,
                     shard,
                     g.ranks,
@@ -233,7 +233,7 @@ class Communicator:
             full,
             numel * (g.size - 1) // g.size,
             lambda: (
-                RingWork(
+                _ring_for(full)(
                     full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=self._ring_tag()
                 )
                 if _is_gloo(g)
@@ -446,6 +446,11 @@ def _check_shard_and_full(op: str, group: Group, shard: Tensor, full: Tensor) ->
 def _is_gloo(group: Group) -> bool:
     """gloo gathers and reduce-scatters run as a point-to-point ring (see ``zero.ring``)."""
     return dist.get_backend(group.process_group) == "gloo"
+
+
+def _ring_for(full: Tensor) -> type[RingWork] | type[HostStagedRing]:
+    """gloo's point-to-point messages need host memory: device tensors travel as host copies."""
+    return RingWork if full.device.type == "cpu" else HostStagedRing
 
 
 def _object_device(group: Group) -> torch.device:
