@@ -553,3 +553,29 @@ def test_empty_lists_and_empty_tensors_are_no_ops():
     host_optim.fused_adamw_([], [], [], [], [], [], weight_decay=0.0, **ADAM)
     args = _adam_args(0)
     host_optim.fused_adamw_(**args)
+
+
+@requires_torch_avx2
+@pytest.mark.parametrize("out_dtype", [BF16, F16])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "unaligned"])
+def test_large_calls_stream_the_16_bit_copy_with_the_same_bits(out_dtype, offset):
+    """From 4M elements per call the 16-bit copy is written with streaming stores where it is
+    16-byte aligned; a copy that starts 2 bytes off takes the ordinary stores."""
+    n = (1 << 22) + 13
+    mine = State.random([n], 2, F32, out_dtype)
+    backing = torch.empty(n + offset, dtype=out_dtype)
+    mine.params_out[0] = backing[offset:].copy_(mine.params_out[0])
+    assert (mine.params_out[0].data_ptr() % 16 == 0) == (offset == 0)
+    ref = mine.clone()
+    for step in range(2):
+        grads = _grads([n], BF16, step)
+        host_adam_step(mine, grads, decoupled=True, weight_decay=0.01, **ADAM)
+        torch_adam_step(ref, [g.clone() for g in grads], decoupled=True, weight_decay=0.01, **ADAM)
+        mine.assert_same(ref, f"step {step + 1}")
+    sgd = {"lr": 0.01, "momentum": 0.9, "dampening": 0.0, "nesterov": True, "weight_decay": 0.01}
+    mine = State(mine.params, [mine.states[0]], mine.steps, mine.params_out)
+    ref = State(ref.params, [ref.states[0]], ref.steps, ref.params_out)
+    grads = _grads([n], F16, 2)
+    host_sgd_step(mine, grads, first=False, **sgd)
+    torch_sgd_step(ref, [g.clone() for g in grads], first=False, **sgd)
+    mine.assert_same(ref, "sgd")

@@ -27,19 +27,37 @@ inline __m256 load8(const typename T::Raw* p) {
   return Lanes<T>::load8(p);
 }
 
+// 8 fp32 lanes rounded to 8 bf16 or fp16 values.
+template <class T>
+inline __m128i narrow8(__m256 x) {
+  if constexpr (std::is_same_v<T, BF16>) {
+    // Values below 2^16 in 32-bit lanes: packus pairs the halves (x0-3 x0-3 | x4-7 x4-7) and
+    // the permute brings x0-7 to the low 128 bits.
+    const __m256i n = Lanes<BF16>::narrow<true>(x);
+    return _mm256_castsi256_si128(
+        _mm256_permute4x64_epi64(_mm256_packus_epi32(n, n), 0xD8));
+  } else {
+    return Lanes<F16>::narrow<true>(x);
+  }
+}
+
 template <class T>
 inline void store8(typename T::Raw* p, __m256 x) {
   if constexpr (std::is_same_v<T, F32>) {
     _mm256_storeu_ps(p, x);
-  } else if constexpr (std::is_same_v<T, BF16>) {
-    // Values below 2^16 in 32-bit lanes: packus pairs the halves (x0-3 x0-3 | x4-7 x4-7) and
-    // the permute brings x0-7 to the low 128 bits.
-    const __m256i n = Lanes<BF16>::narrow<true>(x);
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(n, n), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
   } else {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Lanes<F16>::narrow<true>(x));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow8<T>(x));
   }
+}
+
+// The 16-bit copy of the parameters: written once and not read here, so with STREAM (p 16-byte
+// aligned) it goes to memory without first reading the line (non-temporal store).
+template <class O, bool STREAM>
+inline void store_out8(typename O::Raw* p, __m256 x) {
+  if constexpr (STREAM)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), narrow8<O>(x));
+  else
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow8<O>(x));
 }
 
 inline __m256 fma8(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
@@ -48,8 +66,8 @@ inline __m256 splat(float x) { return _mm256_set1_ps(x); }
 // Elements [0, n) of one tensor, n a multiple of 8, with the body formulas. Gradients of type
 // G are divided by *grad_scale when it is given (and written back when G is fp32, as torch
 // does); states are of type S; a 16-bit copy of the new parameters goes to out unless O is
-// NoOut.
-template <class G, class S, class O>
+// NoOut (see store_out8 for STREAM).
+template <class G, class S, class O, bool STREAM>
 void adam_lanes(const AdamScalars& s, int64_t n, float* p, typename G::Raw* g,
                 typename S::Raw* m, typename S::Raw* v, typename O::Raw* out,
                 const float* grad_scale) {
@@ -57,21 +75,24 @@ void adam_lanes(const AdamScalars& s, int64_t n, float* p, typename G::Raw* g,
   const __m256 coeff = splat(s.lerp_coeff), c2 = splat(s.c2), beta2 = splat(s.beta2);
   const __m256 bc2_sqrt = splat(s.bc2_sqrt), eps = splat(s.eps);
   const __m256 neg_step_size = splat(s.neg_step_size);
+  // Locals, not s's fields: the stores below could alias s, which would reload them per step.
+  const bool decay = s.decay, decoupled = s.decoupled, small_lerp = s.small_lerp;
+  const __m256 scale = splat(grad_scale ? *grad_scale : 1.0f);
   for (int64_t i = 0; i < n; i += kLanes) {
     __m256 grad = load8<G>(g + i);
     if (grad_scale) {
-      grad = _mm256_div_ps(grad, splat(*grad_scale));
+      grad = _mm256_div_ps(grad, scale);
       if constexpr (std::is_same_v<G, F32>) _mm256_storeu_ps(g + i, grad);
     }
     __m256 param = _mm256_loadu_ps(p + i);
-    if (s.decay) {
-      if (s.decoupled)
+    if (decay) {
+      if (decoupled)
         param = _mm256_mul_ps(param, lr_decay);
       else
         grad = fma8(param, wd, grad);
     }
     __m256 exp_avg = load8<S>(m + i);
-    const __m256 base = s.small_lerp ? exp_avg : grad;
+    const __m256 base = small_lerp ? exp_avg : grad;
     exp_avg = fma8(coeff, _mm256_sub_ps(grad, exp_avg), base);
     __m256 exp_avg_sq = load8<S>(v + i);
     exp_avg_sq = fma8(_mm256_mul_ps(c2, grad), grad, _mm256_mul_ps(exp_avg_sq, beta2));
@@ -80,33 +101,38 @@ void adam_lanes(const AdamScalars& s, int64_t n, float* p, typename G::Raw* g,
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), bc2_sqrt), eps);
     param = _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(neg_step_size, exp_avg), denom));
     _mm256_storeu_ps(p + i, param);
-    if constexpr (!std::is_same_v<O, NoOut>) store8<O>(out + i, param);
+    if constexpr (!std::is_same_v<O, NoOut>) store_out8<O, STREAM>(out + i, param);
   }
+  if constexpr (STREAM) _mm_sfence();  // streamed stores are weakly ordered
 }
 
-template <class G, class S, class O>
+template <class G, class S, class O, bool STREAM>
 void sgd_lanes(const SgdScalars& s, int64_t n, float* p, typename G::Raw* g,
                typename S::Raw* buf, typename O::Raw* out, const float* grad_scale) {
   const __m256 wd = splat(s.weight_decay), momentum = splat(s.momentum);
   const __m256 damp_coeff = splat(s.damp_coeff), neg_lr = splat(s.neg_lr);
+  const bool decay = s.decay, momentum_on = s.momentum_on, first_step = s.first_step;
+  const bool nesterov = s.nesterov;
+  const __m256 scale = splat(grad_scale ? *grad_scale : 1.0f);
   for (int64_t i = 0; i < n; i += kLanes) {
     __m256 grad = load8<G>(g + i);
     if (grad_scale) {
-      grad = _mm256_div_ps(grad, splat(*grad_scale));
+      grad = _mm256_div_ps(grad, scale);
       if constexpr (std::is_same_v<G, F32>) _mm256_storeu_ps(g + i, grad);
     }
     __m256 param = _mm256_loadu_ps(p + i);
-    if (s.decay) grad = fma8(param, wd, grad);
-    if (s.momentum_on) {
+    if (decay) grad = fma8(param, wd, grad);
+    if (momentum_on) {
       __m256 b = grad;
-      if (!s.first_step) b = fma8(damp_coeff, grad, _mm256_mul_ps(load8<S>(buf + i), momentum));
+      if (!first_step) b = fma8(damp_coeff, grad, _mm256_mul_ps(load8<S>(buf + i), momentum));
       store8<S>(buf + i, b);
-      grad = s.nesterov ? fma8(b, momentum, grad) : b;
+      grad = nesterov ? fma8(b, momentum, grad) : b;
     }
     param = fma8(grad, neg_lr, param);
     _mm256_storeu_ps(p + i, param);
-    if constexpr (!std::is_same_v<O, NoOut>) store8<O>(out + i, param);
+    if constexpr (!std::is_same_v<O, NoOut>) store_out8<O, STREAM>(out + i, param);
   }
+  if constexpr (STREAM) _mm_sfence();  // streamed stores are weakly ordered
 }
 
 }  // namespace avx2

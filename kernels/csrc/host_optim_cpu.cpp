@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -32,6 +33,15 @@ using cmo::SgdScalars;
 constexpr int64_t kBlock = 1 << 15;
 // Below this many elements in a call the work runs on the calling thread.
 constexpr int64_t kParallelMinNumel = 1 << 16;
+// From this many elements in a call (112 MB of traffic, more than a last-level cache holds) the
+// 16-bit copy of the parameters is streamed to memory (host_optim_avx2.h, store_out8).
+constexpr int64_t kStreamMinNumel = 1 << 22;
+
+// Whether the lanes may stream the 16-bit copy starting at out.
+template <class O>
+bool may_stream(bool large_call, const typename O::Raw* out) {
+  return !std::is_same_v<O, NoOut> && large_call && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+}
 
 enum Status : int { kOk = 0, kBadArgument = 1, kOutOfMemory = 2 };
 
@@ -95,7 +105,7 @@ inline float scaled_grad(typename G::Raw* g, int64_t i, const float* grad_scale)
 template <class G, class S, class O>
 void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end, float* p,
                 typename G::Raw* g, typename S::Raw* m, typename S::Raw* v,
-                typename O::Raw* out, const float* grad_scale) {
+                typename O::Raw* out, const float* grad_scale, bool large_call) {
   const auto element = [&](auto tail, int64_t i) {
     const float grad = scaled_grad<G>(g, i, grad_scale);
     float exp_avg = load<S>(m, i), exp_avg_sq = load<S>(v, i);
@@ -109,8 +119,11 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
 #if HOST_OPTIM_HAVE_AVX2
   if (i < body) {
     const int64_t n = body - i;
-    cmo::avx2::adam_lanes<G, S, O>(s, n, p + i, g + i, m + i, v + i,
-                                   std::is_same_v<O, NoOut> ? out : out + i, grad_scale);
+    typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
+    if (may_stream<O>(large_call, o))
+      cmo::avx2::adam_lanes<G, S, O, true>(s, n, p + i, g + i, m + i, v + i, o, grad_scale);
+    else
+      cmo::avx2::adam_lanes<G, S, O, false>(s, n, p + i, g + i, m + i, v + i, o, grad_scale);
     i = body;
   }
 #endif
@@ -121,7 +134,7 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
 template <class G, class S, class O>
 void sgd_range(const SgdScalars& s, int64_t numel, int64_t begin, int64_t end, float* p,
                typename G::Raw* g, typename S::Raw* buf, typename O::Raw* out,
-               const float* grad_scale) {
+               const float* grad_scale, bool large_call) {
   const auto element = [&](auto tail, int64_t i) {
     const float grad = scaled_grad<G>(g, i, grad_scale);
     float b = s.momentum_on && !s.first_step ? load<S>(buf, i) : 0.0f;
@@ -134,8 +147,12 @@ void sgd_range(const SgdScalars& s, int64_t numel, int64_t begin, int64_t end, f
 #if HOST_OPTIM_HAVE_AVX2
   if (i < body) {
     const int64_t n = body - i;
-    cmo::avx2::sgd_lanes<G, S, O>(s, n, p + i, g + i, s.momentum_on ? buf + i : buf,
-                                  std::is_same_v<O, NoOut> ? out : out + i, grad_scale);
+    typename S::Raw* b = s.momentum_on ? buf + i : buf;
+    typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
+    if (may_stream<O>(large_call, o))
+      cmo::avx2::sgd_lanes<G, S, O, true>(s, n, p + i, g + i, b, o, grad_scale);
+    else
+      cmo::avx2::sgd_lanes<G, S, O, false>(s, n, p + i, g + i, b, o, grad_scale);
     i = body;
   }
 #endif
@@ -168,6 +185,12 @@ int with_types(int grad_dtype, int state_dtype, int out_dtype, F&& f) {
     case cmq::kFloat16: return with_state(F16{});
     default: return kBadArgument;
   }
+}
+
+bool large_call(const int64_t* numels, int count) {
+  int64_t total = 0;
+  for (int i = 0; i < count; ++i) total += numels[i];
+  return total >= kStreamMinNumel;
 }
 
 template <class T>
@@ -208,6 +231,7 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
   for (int i = 0; i < count; ++i)
     scalars.push_back(
         cmo::adam_scalars(lr, beta1, beta2, weight_decay, eps, decoupled != 0, *steps[i]));
+  const bool large = large_call(numels, count);
   return with_types(grad_dtype, state_dtype, out_dtype, [&](auto grad, auto state, auto out) {
     using G = decltype(grad);
     using S = decltype(state);
@@ -215,7 +239,8 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
     return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
       adam_range<G, S, O>(scalars[i], numels[i], begin, end, static_cast<float*>(params[i]),
                           as<G>(grads[i]), as<S>(exp_avgs[i]), as<S>(exp_avg_sqs[i]),
-                          std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale);
+                          std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale,
+                          large);
     });
   });
 }
@@ -230,6 +255,7 @@ int cmo_cpu_sgd(void* const* params, void* const* grads, void* const* momentum_b
   if (count < 0 || num_threads < 1) return kBadArgument;
   const SgdScalars s =
       cmo::sgd_scalars(lr, momentum, dampening, weight_decay, nesterov != 0, first_step != 0);
+  const bool large = large_call(numels, count);
   return with_types(grad_dtype, state_dtype, out_dtype, [&](auto grad, auto state, auto out) {
     using G = decltype(grad);
     using S = decltype(state);
@@ -237,7 +263,8 @@ int cmo_cpu_sgd(void* const* params, void* const* grads, void* const* momentum_b
     return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
       sgd_range<G, S, O>(s, numels[i], begin, end, static_cast<float*>(params[i]),
                          as<G>(grads[i]), s.momentum_on ? as<S>(momentum_buffers[i]) : nullptr,
-                         std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale);
+                         std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale,
+                         large);
     });
   });
 }
