@@ -50,14 +50,51 @@ inline void store8(typename T::Raw* p, __m256 x) {
   }
 }
 
-// The 16-bit copy of the parameters: written once and not read here, so with STREAM (p 16-byte
-// aligned) it goes to memory without first reading the line (non-temporal store).
+// The 16-bit copy of the parameters is written once and not read here: with STREAM (p 32-byte
+// aligned for 16 elements, 16-byte for 8) it goes to memory without the line being read first
+// (non-temporal store), so the mixed step moves no more bytes than fp32 AdamW.
 template <class O, bool STREAM>
 inline void store_out8(typename O::Raw* p, __m256 x) {
   if constexpr (STREAM)
     _mm_stream_si128(reinterpret_cast<__m128i*>(p), narrow8<O>(x));
   else
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), narrow8<O>(x));
+}
+
+// 16 values (a: elements 0-7, b: 8-15) in one 32-byte store.
+template <class O, bool STREAM>
+inline void store_out16(typename O::Raw* p, __m256 a, __m256 b) {
+  __m256i packed;
+  if constexpr (std::is_same_v<O, BF16>) {
+    // packus interleaves 4-element halves (a0-3 b0-3 | a4-7 b4-7); the permute restores order.
+    packed = _mm256_permute4x64_epi64(
+        _mm256_packus_epi32(Lanes<BF16>::narrow<true>(a), Lanes<BF16>::narrow<true>(b)), 0xD8);
+  } else {
+    packed = _mm256_set_m128i(Lanes<F16>::narrow<true>(b), Lanes<F16>::narrow<true>(a));
+  }
+  if constexpr (STREAM)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+}
+
+// Runs step8(i) (which returns the 8 new parameters at i) over [0, n), n a multiple of 8, and
+// writes the 16-bit copy to out unless O is NoOut.
+template <class O, bool STREAM, class Step>
+inline void for_steps(int64_t n, typename O::Raw* out, Step step8) {
+  int64_t i = 0;
+  if constexpr (!std::is_same_v<O, NoOut>) {
+    for (; i + 16 <= n; i += 16) {
+      const __m256 a = step8(i);
+      const __m256 b = step8(i + 8);
+      store_out16<O, STREAM>(out + i, a, b);
+    }
+  }
+  for (; i < n; i += kLanes) {
+    const __m256 param = step8(i);
+    if constexpr (!std::is_same_v<O, NoOut>) store_out8<O, STREAM>(out + i, param);
+  }
+  if constexpr (STREAM) _mm_sfence();  // streamed stores are weakly ordered
 }
 
 inline __m256 fma8(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
@@ -78,7 +115,7 @@ void adam_lanes(const AdamScalars& s, int64_t n, float* p, typename G::Raw* g,
   // Locals, not s's fields: the stores below could alias s, which would reload them per step.
   const bool decay = s.decay, decoupled = s.decoupled, small_lerp = s.small_lerp;
   const __m256 scale = splat(grad_scale ? *grad_scale : 1.0f);
-  for (int64_t i = 0; i < n; i += kLanes) {
+  for_steps<O, STREAM>(n, out, [&](int64_t i) {
     __m256 grad = load8<G>(g + i);
     if (grad_scale) {
       grad = _mm256_div_ps(grad, scale);
@@ -101,9 +138,8 @@ void adam_lanes(const AdamScalars& s, int64_t n, float* p, typename G::Raw* g,
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), bc2_sqrt), eps);
     param = _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(neg_step_size, exp_avg), denom));
     _mm256_storeu_ps(p + i, param);
-    if constexpr (!std::is_same_v<O, NoOut>) store_out8<O, STREAM>(out + i, param);
-  }
-  if constexpr (STREAM) _mm_sfence();  // streamed stores are weakly ordered
+    return param;
+  });
 }
 
 template <class G, class S, class O, bool STREAM>
@@ -114,7 +150,7 @@ void sgd_lanes(const SgdScalars& s, int64_t n, float* p, typename G::Raw* g,
   const bool decay = s.decay, momentum_on = s.momentum_on, first_step = s.first_step;
   const bool nesterov = s.nesterov;
   const __m256 scale = splat(grad_scale ? *grad_scale : 1.0f);
-  for (int64_t i = 0; i < n; i += kLanes) {
+  for_steps<O, STREAM>(n, out, [&](int64_t i) {
     __m256 grad = load8<G>(g + i);
     if (grad_scale) {
       grad = _mm256_div_ps(grad, scale);
@@ -130,9 +166,8 @@ void sgd_lanes(const SgdScalars& s, int64_t n, float* p, typename G::Raw* g,
     }
     param = fma8(grad, neg_lr, param);
     _mm256_storeu_ps(p + i, param);
-    if constexpr (!std::is_same_v<O, NoOut>) store_out8<O, STREAM>(out + i, param);
-  }
-  if constexpr (STREAM) _mm_sfence();  // streamed stores are weakly ordered
+    return param;
+  });
 }
 
 }  // namespace avx2

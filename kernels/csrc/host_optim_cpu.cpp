@@ -40,7 +40,7 @@ constexpr int64_t kStreamMinNumel = 1 << 22;
 // Whether the lanes may stream the 16-bit copy starting at out.
 template <class O>
 bool may_stream(bool large_call, const typename O::Raw* out) {
-  return !std::is_same_v<O, NoOut> && large_call && reinterpret_cast<uintptr_t>(out) % 16 == 0;
+  return !std::is_same_v<O, NoOut> && large_call && reinterpret_cast<uintptr_t>(out) % 32 == 0;
 }
 
 enum Status : int { kOk = 0, kBadArgument = 1, kOutOfMemory = 2 };
