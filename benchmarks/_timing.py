@@ -7,14 +7,20 @@ import time
 from collections.abc import Callable, Mapping
 
 
-def median_seconds(
-    fns: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int = 1
-) -> dict[str, float]:
-    """Median wall-clock seconds of each callable over `repeats` runs.
+def sample_seconds(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    alternate: bool = False,
+) -> dict[str, list[float]]:
+    """Wall-clock seconds of each callable in each of `repeats` rounds, in round order.
 
     The callables run round-robin (a, b, c, a, b, c, ...), after `warmup` untimed rounds, so a
-    change in machine load during the measurement hits all of them alike. Results are dropped
-    as soon as each call returns, so no call pays for freeing another's output.
+    change in machine load during the measurement hits all of them alike; with `alternate`,
+    every other round runs them in reverse order (a, b, c, c, b, a, ...), so none is always
+    first after another. Results are dropped as soon as each call returns, so no call pays for
+    freeing another's output.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
@@ -22,10 +28,20 @@ def median_seconds(
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
+    order = list(fns.items())
+    for round_index in range(repeats):
+        for name, fn in reversed(order) if alternate and round_index % 2 else order:
             start = time.perf_counter()
             result = fn()
             samples[name].append(time.perf_counter() - start)
             del result
+    return samples
+
+
+def median_seconds(
+    fns: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall-clock seconds of each callable over `repeats` round-robin runs
+    (see sample_seconds)."""
+    samples = sample_seconds(fns, repeats=repeats, warmup=warmup)
     return {name: statistics.median(times) for name, times in samples.items()}
