@@ -301,18 +301,19 @@ def _move_buffers(model: torch.nn.Module, device: torch.device, dtype: torch.dty
 def _say_if_dtypes_change(
     named: list[tuple[str, torch.nn.Parameter]], compute_dtype: torch.dtype, precision: str
 ) -> None:
-    """One logged line when the model's parameters are in another dtype than the one it will
-    train in (a bf16 model under the default fp32 precision, an fp64 model)."""
-    dtypes = sorted(
-        {str(p.dtype).removeprefix("torch.") for _n, p in named if p.is_floating_point()}
+    """One logged line when parameters will train in another dtype than their own, other
+    than the usual fp32 model trained in 16 bits (its fp32 values stay as masters): a bf16
+    model under the default fp32 precision, an fp64 model."""
+    expected = {torch.float32, compute_dtype}
+    unusual = sorted(
+        {str(p.dtype).removeprefix("torch.") for _n, p in named if p.dtype not in expected}
     )
-    target = str(compute_dtype).removeprefix("torch.")
-    if dtypes and dtypes != [target]:
+    if unusual:
+        target = str(compute_dtype).removeprefix("torch.")
         _log.warning(
-            "the model's parameters are %s; chunkmem trains them in %s (config precision %r, "
-            "one of fp32, bf16, fp16)%s",
-            ", ".join(dtypes),
+            "some of the model's parameters are %s; chunkmem trains them in %s (config "
+            "precision %r; chunkmem trains in fp32, bf16 or fp16)",
+            ", ".join(unusual),
             target,
             precision,
-            "" if precision != "fp32" else "; set precision to bf16 or fp16 to train in 16 bits",
         )
