@@ -445,8 +445,8 @@ class Residency:
         )
         for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
             chunk = self.chunks.get(chunk_id)
-            if chunk is None or chunk.tier is None or chunk.on_device:
-                continue  # on the device already, or nothing to copy (gathered, freed)
+            if chunk is None or chunk.tier is None or chunk.on_device or not chunk.movable():
+                continue  # on the device already, nothing to copy (gathered, freed), in use
             window_budget = self.placement.chunk_budget(
                 self.tracer, self.static_device_bytes(), moments_ahead=ahead
             )
