@@ -237,7 +237,12 @@ class NvmeTier(StorageTier):
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         fd = os.open(path, flags, 0o600)
         try:
-            os.posix_fallocate(fd, 0, file_bytes)
+            try:
+                os.posix_fallocate(fd, 0, file_bytes)
+            except OSError as exc:
+                if exc.errno not in _NO_SPACE or not self._delete_idle_extents():
+                    raise
+                os.posix_fallocate(fd, 0, file_bytes)  # with the idle files' space back
         except OSError as exc:
             os.close(fd)
             path.unlink(missing_ok=True)
@@ -249,6 +254,17 @@ class NvmeTier(StorageTier):
             raise TierDataError(f"cannot reserve {file_bytes:,} bytes for {path}: {exc}") from exc
         self._resources.fds.add(fd)
         return NvmeExtent(path, fd, file_bytes).reuse(numel, dtype)
+
+    def _delete_idle_extents(self) -> bool:
+        """Delete the files kept for reuse (when the disk is full); whether there were any."""
+        with self._free_lock:
+            idle = [extent for extents in self._free.values() for extent in extents]
+            self._free.clear()
+        for extent in idle:
+            self._resources.fds.discard(extent.fd)
+            os.close(extent.fd)
+            extent.path.unlink(missing_ok=True)
+        return bool(idle)
 
     def free(self, payload: NvmeExtent) -> None:  # type: ignore[override]
         """Keep the file for reuse (its space stays reserved) once its transfers are done."""
