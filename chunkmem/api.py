@@ -81,7 +81,10 @@ def initialize(
         trainable,
         frozen,
         math.lcm(_ALIGNMENT, world_size),
-        chunks_move=comm is not None or not _states_fit(capacity, compute_dtype, trainable, frozen),
+        # Offloaded states are updated (and overlapped) a chunk group at a time.
+        chunks_move=comm is not None
+        or config.offload.optimizer in ("host", "nvme")
+        or not _states_fit(capacity, compute_dtype, trainable, frozen),
     )
     separate_grads = not mixed or config.gradient_accumulation_steps > 1 or comm is not None
     _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
