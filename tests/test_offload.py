@@ -31,6 +31,10 @@ TOLERANCE = 1e-6  # the issue's bound; the runs below are exact (0.0)
 DEVICE = {"type": "simulated", "capacity": 500_000}  # below the model states: chunks move
 
 
+def nvme(path) -> dict:
+    return {"optimizer": "nvme", "nvme": {"path": str(path), "block_size": 4096}}
+
+
 def trainable_elements(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -235,25 +239,26 @@ def test_without_the_native_library_torch_runs_the_host_update_and_says_so(
 
 
 # ---------------------------------------------------------------- two ranks
-def zero2_rank(comm, steps: int, overlap: bool) -> dict:
+def zero_rank(comm, steps: int, stage: int, offload: dict) -> dict:
     data = batches(steps, rows=8)
     engine = initialize(
         make_model(),
         device={"type": "simulated", "capacity": "8MiB"},
-        zero={"stage": 2, "timeout_s": 30},
-        offload={"optimizer": "host", "overlap": overlap, "optimizer_threads": 1},
+        zero={"stage": stage, "timeout_s": 30},
+        offload={**offload, "optimizer_threads": 1},
     )
     half = 8 // comm.size
     for x, y in data:
         rows = slice(comm.rank * half, (comm.rank + 1) * half)
         engine.backward(engine(x[rows], y[rows]))
         engine.step()
-    listener = engine.reducer.listener
-    return {
+    result = {
         "state": engine.state_dict(),
-        "started": listener.started if listener is not None else 0,
+        "started": engine.reducer.listener.started,
         "homes": engine.run_summary().optimizer_state_homes,
     }
+    engine.close()  # ranks end with os._exit, which skips exit handlers
+    return result
 
 
 @pytest.mark.distributed
@@ -262,15 +267,39 @@ def test_zero2_on_two_ranks_with_states_on_the_host_and_overlap_matches_torch_ad
     """Bit for bit, with the reference on one thread as the ranks are: torch's CPU LayerNorm
     backward sums its weight and bias gradients over rows in an order that depends on the
     thread count."""
-    results = run_ranks(zero2_rank, 2, STEPS, True, timeout_s=30, deadline_s=150)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        expected = train_torch(make_model(), batches(STEPS, rows=8), ranks=2)
-    finally:
-        torch.set_num_threads(threads)
+    offload = {"optimizer": "host", "overlap": True}
+    results = run_ranks(zero_rank, 2, STEPS, 2, offload, timeout_s=30, deadline_s=150)
+    expected = train_torch_on_one_thread(STEPS)
     for rank, result in enumerate(results):
         assert max_rel_diff(result["state"], expected) <= TOLERANCE, rank
         assert max_rel_diff(result["state"], expected) == 0.0, rank
         assert set(result["homes"]) == {"host"}
         assert result["started"] >= STEPS - 2, "updates start in backward, after reduce-scatters"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_zero_stages_1_and_3_with_states_on_nvme_and_overlap_match_torch_adamw(
+    stage: int, tmp_path
+) -> None:
+    """Stage 1 reduces before the step, so its updates start there; stage 3 after each
+    reduce-scatter in backward, as stage 2."""
+    steps = 8
+    offload = {"overlap": True, **nvme(tmp_path)}
+    results = run_ranks(zero_rank, 2, steps, stage, offload, timeout_s=30, deadline_s=150)
+    expected = train_torch_on_one_thread(steps)
+    for rank, result in enumerate(results):
+        assert max_rel_diff(result["state"], expected) == 0.0, rank
+        assert set(result["homes"]) == {"nvme"}
+        assert result["started"] >= steps - 2
+    assert list(tmp_path.iterdir()) == [], "each rank's close removed its files"
+
+
+def train_torch_on_one_thread(steps: int) -> dict[str, torch.Tensor]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train_torch(make_model(), batches(steps, rows=8), ranks=2)
+    finally:
+        torch.set_num_threads(threads)
