@@ -81,7 +81,7 @@ def one_step(engine: chunkmem.Engine, row: torch.Tensor, serial_on_host_core: bo
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args("offload_overlap", __doc__.splitlines()[0], argv)
-    layers, width, seq, steps = (4, 192, 16, 36) if args.quick else (6, 256, 16, 124)
+    layers, width, seq, steps = (4, 512, 16, 36) if args.quick else (4, 512, 16, 124)
     warmup = 4
     pinned = len(os.sched_getaffinity(0)) >= 2
     torch.set_num_threads(1)

@@ -388,8 +388,6 @@ class ChunkAdam:
         kernel = kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
         calls: list[Callable[[], None]] = []
         for group_index, positions in self._by_group([s for s, _lo, _hi in pieces]).items():
-            group = self.param_groups[group_index]
-            beta1, beta2 = group["betas"]
             calls.append(
                 functools.partial(
                     kernel,
@@ -399,11 +397,7 @@ class ChunkAdam:
                     [exp_avg_sqs[i] for i in positions],
                     [],
                     [step_of[id(pieces[i][0])] for i in positions],
-                    lr=float(group["lr"]),
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
+                    **self._hyper_parameters(group_index),
                     grad_scale=grad_scale,
                     params_out=None if outs is None else [outs[i] for i in positions],
                     num_threads=self.host_threads,
@@ -516,8 +510,6 @@ class ChunkAdam:
     def _fused(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
         """torch's fused kernel, one call per parameter group over aligned lists."""
         for group_index, positions in self._by_group(slots).items():
-            group = self.param_groups[group_index]
-            beta1, beta2 = group["betas"]
             kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
             kernel(
                 [params[i] for i in positions],
@@ -526,16 +518,25 @@ class ChunkAdam:
                 [exp_avg_sqs[i] for i in positions],
                 [],
                 [steps[i] for i in positions],
+                **self._hyper_parameters(group_index),
                 amsgrad=False,
-                lr=float(group["lr"]),
-                beta1=beta1,
-                beta2=beta2,
-                weight_decay=group["weight_decay"],
-                eps=group["eps"],
                 maximize=False,
                 grad_scale=grad_scale,
                 found_inf=None,
             )
+
+    def _hyper_parameters(self, group_index: int) -> dict[str, float]:
+        """A parameter group's hyper-parameters as the fused kernels' keyword arguments (read
+        at every step: a scheduler may change them)."""
+        group = self.param_groups[group_index]
+        beta1, beta2 = group["betas"]
+        return {
+            "lr": float(group["lr"]),
+            "beta1": beta1,
+            "beta2": beta2,
+            "weight_decay": group["weight_decay"],
+            "eps": group["eps"],
+        }
 
     def restore_from_masters(self) -> None:
         """After a skipped step: every slot that holds a gradient gets its value back."""

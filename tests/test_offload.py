@@ -7,6 +7,7 @@ layer) for 20 steps and compares it with ``torch.optim.AdamW(fused=True)`` on th
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 
@@ -67,6 +68,15 @@ def test_states_off_the_device_match_torch_adamw(where: str, tmp_path) -> None:
     assert frozen_unchanged(state, model)
     assert set(engine.run_summary().optimizer_state_homes) == {where}
     assert engine.ledger.bytes_moved(STEPS - 1) > 0, "the model must not fit: chunks move"
+    paths = engine.write_report(tmp_path / "report")
+    report = json.loads(paths["json"].read_text())
+    assert report["summary"]["optimizer_state_homes"][where] == len(
+        engine.params.trainable_layouts()
+    )
+    if where == "nvme":
+        assert list(report["summary"]["tiers"]) == ["device", "host", "nvme"]
+        assert report["bytes_moved"][-1]["to_nvme"] > 0
+        assert "Nvme bytes at each moment" in paths["html"].read_text()
     engine.close()
 
 
