@@ -6,10 +6,12 @@ directory, same run.
 The tier (offload/nvme.py, the engine's settings: 4 MiB blocks, 2 I/O threads, crc32 on
 every block, verified on every read) writes CHUNKS host tensors into its files and reads them
 back into host tensors, all chunks in flight at once as the step's write-back and read-ahead
-would have them. The baseline is dd with the same request size writing the same number of
-bytes from /dev/zero into a preallocated file (``conv=notrunc``) and reading it to /dev/null,
-with ``oflag=direct``/``iflag=direct`` when the tier uses O_DIRECT there (so neither side is
-served by the page cache), else buffered for both. The tier's files are preallocated too (a
+would have them. The baseline is a plain sequential copy of the same bytes by dd, with the
+same request size: from a file holding exactly the chunks' data (in the page cache, as the
+chunks are in memory) into a preallocated file (``conv=notrunc``), then that file to
+/dev/null, with ``oflag=direct``/``iflag=direct`` when the tier uses O_DIRECT there (so no
+read is served by the page cache), else buffered for both. Not from /dev/zero: a virtual disk
+may turn blocks of zeros into cheaper operations. The tier's files are preallocated too (a
 warm-up round), as after a training run's first step.
 
 The directory is ``$CHUNKMEM_NVME_DIR`` or the system's temporary directory. Each round times
@@ -77,7 +79,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sources = [torch.randn(chunk_bytes // 4, generator=generator) for _ in range(chunks)]
         targets = [torch.empty_like(s) for s in sources]
         tier_round(tier, sources, targets)  # warm-up: files created and preallocated
-        dd_file = base / "dd.bin"
+        dd_source, dd_file = base / "chunks.bin", base / "dd.bin"
+        with open(dd_source, "wb") as f:
+            for source in sources:
+                f.write(source.numpy().tobytes())
         with open(dd_file, "wb") as f:
             os.posix_fallocate(f.fileno(), 0, total)
         direct_out = ["oflag=direct"] if tier.direct else []
@@ -100,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 samples["dd_write"].append(
                     dd(
                         [
-                            "if=/dev/zero",
+                            f"if={dd_source}",
                             f"of={dd_file}",
                             f"bs={BLOCK}",
                             count,
