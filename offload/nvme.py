@@ -19,8 +19,9 @@ core from the compute.
 [Note: failures] Every file is preallocated (``posix_fallocate``) before it is written, so a
 full disk shows at allocation as :class:`TierFullError` with nothing lost and the partial
 file removed. Extents are kept for reuse when freed, so the space reserved by the first step
-stays reserved and later steps allocate nothing. Each block's crc32 is kept in memory and
-checked on every read; a mismatch, a read that returns fewer bytes than were written, or a
+stays reserved and later steps allocate nothing. Each block's checksum (CRC32C, three streams,
+:mod:`kernels.checksum`; ``zlib.crc32`` where that library cannot be built, said once) is
+kept in memory and checked on every read; a mismatch, a read that returns fewer bytes than were written, or a
 failed write raises :class:`TierDataError` (the chunk's content is lost). Nothing is ever
 read back as silent zeros.
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import logging
 import mmap
@@ -54,6 +56,8 @@ import torch
 
 from chunkmem.errors import TierDataError, TierFullError, TierSetupError
 from chunkmem.tiers import StorageTier
+from kernels import checksum
+from kernels._build import BuildError
 
 _log = logging.getLogger("chunkmem.offload")
 
@@ -70,8 +74,8 @@ def _round_up(n: int, to: int) -> int:
 class NvmeExtent:
     """A payload of the NVMe tier: one file holding ``numel`` elements of ``dtype``.
 
-    It is not a tensor: slicing it raises. ``crcs`` are the crc32 of each block as last
-    written (None until the first write completes its copy-in).
+    It is not a tensor: slicing it raises. ``crcs`` are the checksums of its blocks as last
+    written (None until the first write is under way).
     """
 
     def __init__(self, path: Path, fd: int, file_bytes: int) -> None:
@@ -80,7 +84,7 @@ class NvmeExtent:
         self.file_bytes = file_bytes
         self.dtype = torch.uint8
         self._numel = 0
-        self.crcs: list[int] | None = None
+        self.crcs: list[object] | None = None
         self.last: Transfer | None = None  # the newest transfer touching the file
 
     def reuse(self, numel: int, dtype: torch.dtype) -> NvmeExtent:
@@ -209,6 +213,7 @@ class NvmeTier(StorageTier):
         for _ in range(WRITE_BUFFERS):
             self._write_buffers.put(_StagingBuffer(block_bytes))
         self.staging_bytes = (io_threads + WRITE_BUFFERS) * block_bytes
+        self._checksum = block_checksum()
         self._free: dict[int, list[NvmeExtent]] = {}
         self._free_lock = threading.Lock()
         self._ids = itertools.count()
@@ -286,7 +291,7 @@ class NvmeTier(StorageTier):
             raise ValueError(f"the NVMe tier writes contiguous CPU tensors, got {source.device}")
         extent = self.allocate(source.numel(), source.dtype)
         nbytes = extent.nbytes
-        crcs = [0] * max(1, -(-nbytes // self.block_bytes))
+        crcs: list[object] = [None] * max(1, -(-nbytes // self.block_bytes))
         futures = []
         address = source.data_ptr()
         for index, offset in enumerate(range(0, nbytes, self.block_bytes)):
@@ -349,10 +354,10 @@ class NvmeTier(StorageTier):
         index: int,
         offset: int,
         length: int,
-        crcs: list[int],
+        crcs: list[object],
     ) -> None:
         try:
-            crcs[index] = zlib.crc32(buffer.view[:length])
+            crcs[index] = self._checksum(buffer, length)
             aligned = _round_up(length, PAGE)
             if aligned > length:  # the file's last page: zeros past the data, for O_DIRECT
                 ctypes.memset(buffer.address + length, 0, aligned - length)
@@ -385,7 +390,7 @@ class NvmeTier(StorageTier):
                     f"{offset:,} (was the file truncated?); the chunk's content is lost"
                 )
             assert extent.crcs is not None
-            if zlib.crc32(buffer.view[:length]) != extent.crcs[index]:
+            if self._checksum(buffer, length) != extent.crcs[index]:
                 raise TierDataError(
                     f"checksum mismatch reading {extent.path} (bytes {offset:,}-"
                     f"{offset + length:,}): the file changed on disk or the disk returned bad "
@@ -394,6 +399,22 @@ class NvmeTier(StorageTier):
             ctypes.memmove(into.data_ptr() + offset, buffer.address, length)
         finally:
             self._read_buffers.put(buffer)
+
+
+@functools.cache
+def block_checksum() -> Callable[[_StagingBuffer, int], object]:
+    """The checksum of a staging buffer's first ``length`` bytes: three CRC32Cs from the
+    native library, else ``zlib.crc32`` (slower; one logged line says why)."""
+    try:
+        library = checksum.load_library()
+    except BuildError as error:
+        _log.warning(
+            "the native checksum library cannot be used (%s); the NVMe tier checks its blocks "
+            "with zlib.crc32, which is slower",
+            error,
+        )
+        return lambda buffer, length: zlib.crc32(buffer.view[:length])
+    return lambda buffer, length: library.crc32c_3(buffer.address, length)
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:

@@ -20,6 +20,8 @@ import torch
 
 from chunkmem.engine import EnginePhase
 from chunkmem.errors import TierDataError, TierFullError, TierSetupError
+from kernels import checksum
+from kernels._build import BuildError
 from offload import nvme
 from offload.nvme import NvmeTier
 from tests.offload_helpers import batches, initialize, make_model, train_engine
@@ -117,6 +119,43 @@ def test_without_o_direct_the_tier_uses_buffered_io_and_says_so(
     back = torch.empty(5000)
     tier.copy_out(extent, back).wait()
     assert torch.equal(back, source)
+    tier.close()
+
+
+def test_block_checksums_are_crc32c_of_three_parts_and_the_table_build_agrees() -> None:
+    library = checksum.load_library()
+    table = checksum.load_library(("-mno-sse4.2",))
+    assert not table.has_sse42
+    check = torch.frombuffer(bytearray(b"123456789"), dtype=torch.uint8)
+    # Under 24 bytes the first two parts are empty: the last is the whole buffer's CRC32C.
+    assert library.crc32c_3(check.data_ptr(), 9) == (0, 0, 0xE3069283)  # RFC 3720's check
+    for n in (0, 1, 8, 23, 24, 25, 4096 * 3 + 5):
+        data = torch.randint(0, 256, (n,), dtype=torch.uint8)
+        got = library.crc32c_3(data.data_ptr(), n)
+        assert got == table.crc32c_3(data.data_ptr(), n), n
+        if n:
+            data[n // 2] ^= 1
+            assert library.crc32c_3(data.data_ptr(), n) != got, n
+
+
+def test_without_the_checksum_library_the_tier_uses_zlib_and_says_so(
+    tmp_path, monkeypatch, caplog
+) -> None:
+    def no_compiler(*_args, **_kwargs):
+        raise BuildError("no C++ compiler (g++) found")
+
+    monkeypatch.setattr(checksum, "load_library", no_compiler)
+    with caplog.at_level(logging.WARNING, logger="chunkmem.offload"):
+        fallback = nvme.block_checksum.__wrapped__()
+    assert "the NVMe tier checks its blocks with zlib.crc32" in caplog.text
+    monkeypatch.setattr(nvme, "block_checksum", lambda: fallback)
+    tier = NvmeTier(tmp_path, block_bytes=4096, io_threads=1)
+    extent, write = tier.copy_in(torch.randn(3000))
+    write.wait()
+    assert all(isinstance(crc, int) for crc in extent.crcs)
+    os.truncate(extent.path, 4096)
+    with pytest.raises(TierDataError, match="short read"):
+        tier.copy_out(extent, torch.empty(3000)).wait()
     tier.close()
 
 
