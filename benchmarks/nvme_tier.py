@@ -3,7 +3,7 @@ directory, same run.
 
     python -m benchmarks.nvme_tier [--quick] [--json PATH]
 
-The tier (offload/nvme.py, the engine's settings: 4 MiB blocks, 2 I/O threads, crc32 on
+The tier (offload/nvme.py, the engine's settings: 4 MiB blocks, 2 I/O threads, a CRC32C on
 every block, verified on every read) writes CHUNKS host tensors into its files and reads them
 back into host tensors, all chunks in flight at once as the step's write-back and read-ahead
 would have them. The baseline is a plain sequential copy of the same bytes by dd, with the
@@ -144,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{chunks} chunks of {chunk_mib} MiB ({total // 2**20} MiB) per round, {rounds} rounds, "
         f"in {base.parent} ({'O_DIRECT' if direct else 'buffered: O_DIRECT refused'}); tier: "
-        f"{BLOCK // 2**20} MiB blocks, {IO_THREADS} I/O threads, crc32 checked; dd: bs={BLOCK // 2**20}M"
+        f"{BLOCK // 2**20} MiB blocks, {IO_THREADS} I/O threads, CRC32C checked; dd: bs={BLOCK // 2**20}M"
     )
     print_table(
         "throughput, MiB/s (median, range over rounds)",
