@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import ctypes
 
-from kernels._build import CSRC, BuildError, build, find_tool
-from kernels._native import CPU_FLAGS, _cpu_identity
+from kernels._native import CPU_FLAGS, build_and_load_cpu
 
 
 class ChecksumLibrary:
@@ -40,11 +39,7 @@ class ChecksumLibrary:
 def load_library(extra_flags: tuple[str, ...] = ()) -> ChecksumLibrary:
     """Build (on a cache miss) and load the library; BuildError says why it cannot.
     ``extra_flags`` follow the CPU flags (the tests pass ``-mno-sse4.2`` for the table)."""
-    compiler = find_tool("CXX", "g++")
-    flags = [*CPU_FLAGS, *extra_flags]
-    path = build("chunkmem_checksum", compiler, CSRC / "checksum_cpu.cpp", flags, _cpu_identity())
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise BuildError(f"cannot load {path}: {e}") from e
+    lib, path = build_and_load_cpu(
+        "chunkmem_checksum", "checksum_cpu.cpp", [*CPU_FLAGS, *extra_flags]
+    )
     return ChecksumLibrary(lib, path)
