@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 RESULTS = Path(__file__).parent / "results"
@@ -29,24 +30,49 @@ def parse_args(
     return parser.parse_args(argv)
 
 
-def environment(quick: bool) -> dict[str, Any]:
+def _git(*args: str) -> str | None:
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(quick: bool) -> dict[str, Any]:
+    """Where and when a result was measured: written into every results JSON.
+
+    `commit_dirty` is true when the work tree had uncommitted changes to tracked files, so the
+    commit alone does not say which code ran.
+    """
+    status = _git("status", "--porcelain", "--untracked-files=no")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
+        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "commit_dirty": None if status is None else bool(status),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        "machine": {
+            "cpu": cpu_model(),
+            "arch": platform.machine(),
+            "logical_cores": os.cpu_count(),
+            "cores_available": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "memory_bytes": psutil.virtual_memory().total,
+            "os": platform.platform(),
+        },
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "quick": quick,
