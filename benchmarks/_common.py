@@ -73,6 +73,9 @@ def environment(quick: bool) -> dict[str, Any]:
             "memory_bytes": psutil.virtual_memory().total,
             "os": platform.platform(),
         },
+        # Other processes' load when the results were written: timings from a busy machine
+        # are not comparable with a quiet one's (byte counts are).
+        "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "quick": quick,
