@@ -25,9 +25,15 @@ def parse_args(
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
     parser.add_argument("--quick", action="store_true", help="a smaller run (under a minute)")
     parser.add_argument(
-        "--json", type=Path, default=RESULTS / f"{name}.json", help="where to write the results"
+        "--json",
+        type=Path,
+        help=f"where to write the results (default results/{name}.json, with --quick "
+        f"results/{name}.quick.json, so that a quick run never replaces a full one)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.json is None:
+        args.json = RESULTS / f"{name}{'.quick' if args.quick else ''}.json"
+    return args
 
 
 def _git(*args: str) -> str | None:

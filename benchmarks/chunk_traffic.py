@@ -193,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # shared machine's load from stalling every parallel region (tens of times slower).
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    layers = 2 if args.quick else 4
+    layers = 2 if args.quick else 8
     config = GPTConfig(
         vocab_size=256, block_size=64, n_layer=layers, n_head=4, n_embd=128, checkpoint=True
     )
