@@ -167,9 +167,11 @@ def min_trainable(
         for a, peak in zip(trace.accesses, trace.nonmodel_peak, strict=True)
     ]
     worst = max(range(len(trace)), key=moment_bytes.__getitem__)
+    below = [f for f in runs if f < smallest]
     return {
         "fraction": smallest,
-        "grid": list(grid),
+        "grid": f"{grid[0]} to {grid[-1]} in steps of {round(grid[1] - grid[0], 4)}",
+        "next_smaller_fails_with": runs[below[-1]] if below else None,
         # What no placement can go below with this run's chunks: one moment's chunks and
         # its non-model (activation) peak must fit at once.
         "lower_bound_fraction": moment_bytes[worst] / run.model_state_bytes,
