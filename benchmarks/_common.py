@@ -59,10 +59,13 @@ def cpu_model() -> str:
 def environment(quick: bool) -> dict[str, Any]:
     """Where and when a result was measured: written into every results JSON.
 
-    `commit_dirty` is true when the work tree had uncommitted changes to tracked files, so the
-    commit alone does not say which code ran.
+    `commit_dirty` is true when the work tree had uncommitted changes to tracked files other
+    than the results themselves, so the commit alone does not say which code ran.
     """
-    status = _git("status", "--porcelain", "--untracked-files=no")
+    status = _git(
+        "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+        ":(top,exclude)benchmarks/results",
+    )  # fmt: skip
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _git("rev-parse", "HEAD") or "unknown",
