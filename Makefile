@@ -1,11 +1,12 @@
 # The two commands the README promises: `make demo` and `make test`.
 # Each creates its own virtual environment when it is missing.
 PYTHON ?= python3
+GPU_PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkmem-installed
 
-.PHONY: venv demo test test-slow bench lint clean cuda-check
+.PHONY: venv demo test test-slow bench lint clean cuda-check gpu-check gpu-wheels
 
 venv: $(STAMP)
 
@@ -41,6 +42,16 @@ cuda-check:
 	  $(NVCC) -c -o /dev/null -arch=$$a --std=c++17 -O3 --fmad=false --ftz=false --prec-div=true \
 	    --prec-sqrt=true -Xcompiler -ffp-contract=off -Werror all-warnings $$f || exit 1; \
 	done; done
+
+# On a machine with a GPU (docs/gpu.md): pytest -m cuda and benchmarks.gpu --quick with the
+# python3 that holds torch, log and results into OUT, non-zero exit if a test fails. Installs
+# what that python lacks from .whl/, which `make gpu-wheels` fills on a machine with network.
+gpu-check:
+	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=<dir>  (docs/gpu.md)"; exit 2; }
+	PYTHON=$(GPU_PYTHON) bash .ci/gpu-check "$(OUT)"
+
+gpu-wheels:
+	PYTHON=$(PYTHON) bash .ci/gpu-wheels
 
 lint: $(STAMP)
 	$(PY) -m ruff check chunkmem zero offload kernels tests benchmarks

@@ -10,34 +10,35 @@ from collections.abc import Callable, Mapping
 def sample_seconds(
     fns: Mapping[str, Callable[[], object]],
     *,
-    rounds: int,
+    repeats: int,
     warmup: int = 1,
+    alternate: bool = False,
     every: Mapping[str, int] | None = None,
 ) -> dict[str, list[float | None]]:
-    """Wall-clock seconds of each callable in each of `rounds` rounds.
+    """Wall-clock seconds of each callable in each of `repeats` rounds, in round order.
 
-    Each round runs every callable once, in turn, alternating the order from round to round
-    (a, b, c, then c, b, a), so that a change in machine load and any cost one call leaves to
-    the next hit all of them alike and the samples of one round can be compared pairwise.
-    `every={name: k}` runs that callable only every k-th round (a slow one); its other samples
-    are None. `warmup` untimed rounds run first. Results are dropped as soon as each call
-    returns, so no call pays for freeing another's output.
+    The callables run round-robin (a, b, c, a, b, c, ...), after `warmup` untimed rounds, so a
+    change in machine load during the measurement hits all of them alike and the samples of one
+    round can be compared pairwise; with `alternate`, every other round runs them in reverse
+    order (a, b, c, c, b, a, ...), so none is always first after another. `every={name: k}`
+    runs that callable only every k-th round (a slow one); its other samples are None. Results
+    are dropped as soon as each call returns, so no call pays for freeing another's output.
     """
-    if rounds < 1:
-        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     every = dict(every or {})
-    names = list(fns)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float | None]] = {name: [] for name in fns}
-    for r in range(rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            if r % every.get(name, 1):
+    order = list(fns.items())
+    for round_index in range(repeats):
+        for name, fn in reversed(order) if alternate and round_index % 2 else order:
+            if round_index % every.get(name, 1):
                 samples[name].append(None)
                 continue
             start = time.perf_counter()
-            result = fns[name]()
+            result = fn()
             samples[name].append(time.perf_counter() - start)
             del result
     return samples
@@ -46,8 +47,9 @@ def sample_seconds(
 def median_seconds(
     fns: Mapping[str, Callable[[], object]], *, repeats: int, warmup: int = 1
 ) -> dict[str, float]:
-    """Median wall-clock seconds of each callable over `repeats` rounds of `sample_seconds`."""
-    samples = sample_seconds(fns, rounds=repeats, warmup=warmup)
+    """Median wall-clock seconds of each callable over `repeats` round-robin runs
+    (see sample_seconds)."""
+    samples = sample_seconds(fns, repeats=repeats, warmup=warmup)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 

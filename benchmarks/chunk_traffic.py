@@ -34,7 +34,6 @@ import torch
 import chunkmem
 from benchmarks._common import parse_args, print_table, write_results
 from benchmarks.traffic_optimum import TrafficProblem, compulsory_bytes, optimal_schedule
-from chunkmem.chunk import Tier
 from chunkmem.errors import CapacityError, OutOfMemoryError
 from chunkmem.ledger import WORKSPACE
 from chunkmem.models.gpt import GPT, GPTConfig
@@ -76,46 +75,93 @@ class Run:
     def chunk_move_bytes(self) -> int:
         return self.total_bytes - self.streamed
 
-    def problem(self) -> tuple[TrafficProblem, dict]:
-        """The trace as a placement problem, with the budgets the device allowed at each
-        moment: capacity less the optimizer states homed on the device, the moment's peak of
-        workspaces and its traced non-model peak."""
+    def budgets(self) -> tuple[list[int], list[int]]:
+        """Per moment of the trace: the bytes chunks may hold while the moment's chunks are in
+        use, and after they are released.
+
+        Both are the capacity less the optimizer states homed on the device and the moment's
+        peak of workspaces, less a non-model amount: in use, the moment's whole traced peak
+        (the trace does not say how much of it comes before the release; the engine's
+        planner assumes the same, `Placement.chunk_budget`); after the release, the traced
+        peak after it (`Placement.release_budget`).
+        """
         engine, trace = self.engine, self.trace
-        chunks = engine.manager.chunks
-        static = engine.manager.residency.static_device_bytes()  # no workspace between steps
+        static = engine.residency.static_device_bytes()  # no workspace between steps
         workspace = _workspace_peaks(engine.ledger, self.iteration, len(trace))
-        device = [frozenset(c for c, t in a.items() if t is Tier.DEVICE) for a in trace.accesses]
-        host = [frozenset(c for c, t in a.items() if t is Tier.HOST) for a in trace.accesses]
+        room = [self.capacity - static - w for w in workspace]
+        in_use = [r - peak for r, peak in zip(room, trace.nonmodel_peak, strict=True)]
+        after = [r - peak for r, peak in zip(room, trace.nonmodel_after_release, strict=True)]
+        return in_use, after
+
+    def problem(self) -> tuple[TrafficProblem, dict]:
+        """The trace as a placement problem. Each moment of the trace is two moments here:
+        its chunks in use (the accesses), then released (the non-model bytes that follow the
+        release, e.g. the loss after the last layer, and the chunks that die)."""
+        trace, chunks = self.trace, self.engine.residency.chunks
+        in_use, after = self.budgets()
+        # An access off the device (False) needs the chunk at its home, the host: fp32
+        # parameters and gradients updated there.
+        device = [frozenset(c for c, on in a.items() if on) for a in trace.accesses]
+        host = [frozenset(c for c, on in a.items() if not on) for a in trace.accesses]
         freed = [frozenset(f) for f in trace.freed]
-        ids = set().union(*device, *host, *freed)
-        sizes = {c: chunks[c].nbytes for c in ids}
+        sizes = {c: chunks[c].nbytes for c in set().union(*device, *host, *freed)}
+        none: frozenset[int] = frozenset()
         budgets, raised = [], 0
         for t in range(len(trace)):
-            budget = self.capacity - static - workspace[t] - trace.nonmodel_peak[t]
             needed = sum(sizes[c] for c in device[t])
-            # The engine admits a moment's chunks beyond its budget when the non-model peak and
-            # the chunks' peak do not coincide within the moment; the optimum gets as much.
-            if needed > budget:
-                budget, raised = needed, raised + 1
-            budgets.append(budget)
+            # Where the moment's chunks alone exceed it (the peak comes after the release, as
+            # the loss after the last layer), the engine admits them and evicts after the
+            # release; the optimum gets as much.
+            if needed > in_use[t]:
+                raised += 1
+            budgets += [max(in_use[t], needed), max(after[t], 0)]
+        problem = TrafficProblem(
+            sizes,
+            device=[m for t in range(len(trace)) for m in (device[t], none)],
+            host=[m for t in range(len(trace)) for m in (host[t], none)],
+            freed=[m for t in range(len(trace)) for m in (none, freed[t])],
+            budgets=budgets,
+        )
         info = {
             "moments": len(trace),
             "chunks": len(sizes),
             "chunk_bytes": sorted(set(sizes.values())),
-            "static_device_bytes": static,
+            "static_device_bytes": self.engine.residency.static_device_bytes(),
             "budgets_raised_to_the_moments_chunks": raised,
         }
-        return TrafficProblem(sizes, device, host, freed, budgets), info
+        return problem, info
 
-    def replay(self, problem: TrafficProblem, policy: str) -> int:
-        """(c): the engine's planner on its own trace and the same budgets; chunk moves."""
-        result = simulate_traffic(self.trace, dict(problem.sizes), list(problem.budgets), policy)
+    def lower_bound_bytes(self) -> tuple[int, str]:
+        """Device bytes no placement of this run's chunks can do with: at some moment, its
+        chunks beside the non-model bytes at the moment's start (they meet at least those),
+        or its non-model peak alone."""
+        trace, chunks = self.trace, self.engine.residency.chunks
+        _, start = _per_moment(self.engine.ledger, self.iteration, len(trace))
+        worst, where = 0, ""
+        for t, accessed in enumerate(trace.accesses):
+            chunk_bytes = sum(chunks[c].nbytes for c, on in accessed.items() if on)
+            need = max(chunk_bytes + start[t], trace.nonmodel_peak[t])
+            if need > worst:
+                worst, where = need, trace.moments[t].name
+        return worst, where
+
+    def replay(self, policy: str) -> int:
+        """(c): the engine's planner on its own trace and its budgets; chunk moves. (Its
+        replay knows no release: it keeps each moment's whole-peak budget.)"""
+        chunks = self.engine.residency.chunks
+        sizes = {c.id: c.nbytes for c in chunks.values()}
+        in_use, _ = self.budgets()
+        result = simulate_traffic(self.trace, sizes, in_use, policy)
         return result.bytes_moved - self.streamed
 
 
 def _workspace_peaks(ledger, iteration: int, moments: int) -> list[int]:
-    """Per moment of `iteration`, the most device workspace bytes held at once (ledger events
-    between the moment's sample and the next)."""
+    return _per_moment(ledger, iteration, moments)[0]
+
+
+def _per_moment(ledger, iteration: int, moments: int) -> tuple[list[int], list[int]]:
+    """Per moment of `iteration`: the most device workspace bytes held at once (ledger events
+    between the moment's sample and the next), and the non-model bytes at its start."""
     if ledger.allocations_dropped:
         raise RuntimeError("the ledger dropped allocation events; raise max_move_events")
     samples = [s for s in ledger.moment_samples if s.iteration == iteration]
@@ -124,19 +170,21 @@ def _workspace_peaks(ledger, iteration: int, moments: int) -> list[int]:
             f"{len(samples)} moment samples in iteration {iteration}, trace {moments}"
         )
     bounds = [s.allocations_before for s in samples] + [len(ledger.allocations)]
-    level = 0
-    for event in ledger.allocations[: bounds[0]]:
-        if event.tier == "device" and event.kind == WORKSPACE:
-            level += event.nbytes if event.action == "alloc" else -event.nbytes
+
+    def change(event) -> int:
+        if event.tier != "device" or event.kind != WORKSPACE:
+            return 0
+        return event.nbytes if event.action == "alloc" else -event.nbytes
+
+    level = sum(change(e) for e in ledger.allocations[: bounds[0]])
     peaks = []
     for t in range(moments):
         peak = level
         for event in ledger.allocations[bounds[t] : bounds[t + 1]]:
-            if event.tier == "device" and event.kind == WORKSPACE:
-                level += event.nbytes if event.action == "alloc" else -event.nbytes
-                peak = max(peak, level)
+            level += change(event)
+            peak = max(peak, level)
         peaks.append(peak)
-    return peaks
+    return peaks, [s.nonmodel for s in samples]
 
 
 def try_run(model: GPT, precision: str, fraction: float, policy: str, batches: list) -> Run | str:
@@ -161,22 +209,17 @@ def min_trainable(
     else:
         raise RuntimeError(f"{precision}: nothing on the grid {grid} trains")
     smallest, run = f, runs[f]
-    trace, chunks = run.trace, run.engine.manager.chunks
-    moment_bytes = [
-        sum(chunks[c].nbytes for c, tier in a.items() if tier is Tier.DEVICE) + peak
-        for a, peak in zip(trace.accesses, trace.nonmodel_peak, strict=True)
-    ]
-    worst = max(range(len(trace)), key=moment_bytes.__getitem__)
+    bound, where = run.lower_bound_bytes()
     below = [f for f in runs if f < smallest]
     return {
         "fraction": smallest,
         "grid": f"{grid[0]} to {grid[-1]} in steps of {round(grid[1] - grid[0], 4)}",
         "next_smaller_fails_with": runs[below[-1]] if below else None,
         # What no placement can go below with this run's chunks: one moment's chunks and
-        # its non-model (activation) peak must fit at once.
-        "lower_bound_fraction": moment_bytes[worst] / run.model_state_bytes,
-        "lower_bound_moment": trace.moments[worst].name,
-        "lower_bound_bytes": moment_bytes[worst],
+        # the non-model (activation) bytes they meet must fit at once.
+        "lower_bound_fraction": bound / run.model_state_bytes,
+        "lower_bound_moment": where,
+        "lower_bound_bytes": bound,
         "capacity": run.capacity,
         "model_state_bytes": run.model_state_bytes,
     }, runs
@@ -250,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ),
                 "steady_iterations_equal": len(set(ours.steady)) == 1,
             }
-            own_replay = ours.replay(problem, "belady")
+            own_replay = ours.replay("belady")
             vs_optimal = ratio(ours.chunk_move_bytes, optimum.bytes_moved)
             worst_vs_optimal = max(worst_vs_optimal, vs_optimal or float("inf"))
             peak_over_capacity = max(
@@ -280,7 +323,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ours.chunk_move_bytes, round(optimum.lp_bound)
                 ),
                 "optimal_free_binaries": optimum.variables,
-                "own_replay_bytes": {"belady": own_replay, "lru": ours.replay(problem, "lru")},
+                "own_replay_bytes": {"belady": own_replay, "lru": ours.replay("lru")},
                 "bytes_moved_ratio_vs_optimal": vs_optimal,
                 "bytes_moved_ratio_vs_compulsory": ratio(ours.chunk_move_bytes, compulsory),
                 "bytes_moved_ratio_vs_own_replay": ratio(ours.chunk_move_bytes, own_replay),

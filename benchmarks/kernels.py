@@ -208,7 +208,7 @@ def measure(numel: int, rounds: int, with_reference: bool) -> list[dict]:
         if with_reference:
             fns["reference"] = case.reference
             every["reference"] = REFERENCE_EVERY
-        s = sample_seconds(fns, rounds=rounds, every=every)
+        s = sample_seconds(fns, repeats=rounds, alternate=True, every=every)
         medians = {k: statistics.median(t for t in v if t is not None) for k, v in s.items()}
         row = {
             "op": case.op,

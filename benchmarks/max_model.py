@@ -50,7 +50,7 @@ def attempt(config: GPTConfig, device_bytes: int, host_bytes: int) -> dict | Non
         "parameters": config.num_parameters(),
         "chunk_bytes": sum(engine.model_state_bytes().values()),
         "device_peak": engine.ledger.device.peak,
-        "host_peak": engine.ledger.host.peak,
+        "host_peak": engine.ledger.tiers["host"].peak,
         "bytes_moved_per_iteration": engine.ledger.bytes_moved(2),
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import weakref
@@ -11,20 +12,27 @@ from typing import Any
 
 import torch
 
+from chunkmem.binding import ParamBinder
 from chunkmem.config import Config
 from chunkmem.devices import make_device
-from chunkmem.engine import Engine
+from chunkmem.engine import Engine, engine_of
 from chunkmem.errors import CapacityError, ConfigError
-from chunkmem.hooks import ActivationCounter, ModuleHooks
+from chunkmem.grads import GradStore
+from chunkmem.hooks import ModuleHooks
 from chunkmem.ledger import Ledger
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
+from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.packing import ChunkSizeChoice, padding_for, search_chunk_size
+from chunkmem.params import ParamStore
 from chunkmem.placement import Placement
 from chunkmem.residency import Residency
-from chunkmem.sharding import Sharding
+from chunkmem.saved_tensors import ActivationCounter
+from chunkmem.sharding import Strategy
+from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
 
+_log = logging.getLogger("chunkmem")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIGNMENT = 64  # elements: every chunk is a whole number of cache lines in any dtype
 _MIN_CHUNKS = 16
@@ -42,9 +50,20 @@ def initialize(
     hyper-parameters) are taken over; None builds AdamW/Adam from ``config.optimizer``.
     ``config``: a :class:`Config`, a dict or a path to a JSON file.
     """
+    if isinstance(optimizer, (dict, str, Path, Config)):
+        raise ConfigError(
+            f"initialize() got a {type(optimizer).__name__} as its optimizer argument, which "
+            f"looks like a config: pass it by keyword, initialize(model, config=...)"
+        )
     config = Config.coerce(config)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    if engine_of(model) is not None:
+        raise ConfigError(
+            "this model is already wrapped by an open chunkmem engine, which owns its "
+            "parameters; keep training with that engine, or call its close() first (which "
+            "gives the model its parameters back) and then initialize again"
+        )
     named = list(model.named_parameters())
     for name, param in named:
         if param.device.type == "meta":
@@ -60,6 +79,7 @@ def initialize(
     compute_dtype = _DTYPES[config.precision]
     mixed = config.precision != "fp32"
     world_size = comm.size if comm else 1
+    _say_if_dtypes_change(named, compute_dtype, config.precision)
 
     param_groups, group_of, decoupled = _param_groups(model, optimizer, config)
     unique = list(dict.fromkeys(p for _n, p in named))
@@ -76,56 +96,61 @@ def initialize(
     )
     separate_grads = not mixed or config.gradient_accumulation_steps > 1 or comm is not None
     _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
-    sharding = Sharding()
+    strategy = Strategy()
     if comm is not None:
         from zero.setup import check_ranks_agree, fingerprint
-        from zero.sharding import ZeroSharding
+        from zero.strategy import ZeroStrategy
 
         check_ranks_agree(comm, fingerprint(model, config, choice.size))
-        sharding = ZeroSharding(config.zero.stage, comm, device.torch_device)
+        strategy = ZeroStrategy(config.zero.stage, comm, device.torch_device)
 
-    ledger = Ledger(capacity, config.host.capacity, config.report.max_move_events)
-    tracer = Tracer()
+    tiers = TierSet(DeviceTier(device, capacity), HostTier(device, config.host.capacity))
+    ledger = Ledger(tiers.capacities(), config.report.max_move_events)
     placement = Placement(
         config.placement.policy,
         config.placement.prefetch,
         config.placement.nonmodel_margin,
         capacity,
     )
-    manager = ChunkManager(
-        Residency(device, ledger, tracer, placement),
-        compute_dtype,
-        choice.size,
-        keep_fp32_master=mixed,
-        grads_in_param_slot=not separate_grads,
-        optimizer_states_mode=config.placement.optimizer_states,
-        sharding=sharding,
+    residency = Residency(device, tiers, ledger, Tracer(), placement)
+    gatherer = strategy.gatherer(residency)
+    binder = ParamBinder(gatherer.compute_kind, compute_dtype, device.torch_device)
+    params = ParamStore(
+        residency, binder, strategy.sharding, compute_dtype, choice.size, keep_fp32_master=mixed
     )
-    manager.register(named)
-    _move_buffers(model, device.torch_device)
+    residency.listener = binder
+    residency.filler = gatherer
+    reducer = strategy.reducer(params, residency)
+    grads = GradStore(params, residency, binder, reducer, grads_in_param_slot=not separate_grads)
+    manager = ChunkManager(params, residency, binder, gatherer, grads)
+    states = OptimizerStates(
+        params, residency, strategy.sharding, gatherer, reducer, config.placement.optimizer_states
+    )
+    params.register(named)
+    _move_buffers(model, device.torch_device, compute_dtype)
     hooks = ModuleHooks(manager)
     unit = config.placement.unit_elements
     hooks.attach(model, choice.size if unit == "chunk" else unit)
-    store_grad = _store_grad_hook(manager)
+    store_grad = _store_grad_hook(grads)
     grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
-    activations = ActivationCounter(device.meter, manager.residency)
-    adam = ChunkAdam(manager, param_groups, group_of, decoupled)
-    return Engine(model, config, manager, hooks, activations, adam, choice, grad_handles)
+    activations = ActivationCounter(device.meter, residency)
+    adam = ChunkAdam(manager, states, param_groups, group_of, decoupled)
+    return Engine(model, config, manager, states, hooks, activations, adam, choice, grad_handles)
 
 
-def _store_grad_hook(manager: ChunkManager) -> Callable[[torch.nn.Parameter], None]:
-    """The gradient hook, holding the manager weakly.
+def _store_grad_hook(grads: GradStore) -> Callable[[torch.nn.Parameter], None]:
+    """The gradient hook, holding the gradient store weakly.
 
     Tensor hooks live where Python's garbage collector cannot follow them, so a hook that
-    held the manager would close an uncollectable cycle (parameter -> hook -> manager ->
-    slot -> parameter): every engine built and dropped would keep all its chunks alive.
+    held the store would close an uncollectable cycle (parameter -> hook -> store -> slot ->
+    parameter): every engine built and dropped would keep all its chunks alive.
     """
-    manager_ref = weakref.ref(manager)
+    grads_ref = weakref.ref(grads)
 
     def store_grad(param: torch.nn.Parameter) -> None:
-        live = manager_ref()
+        live = grads_ref()
         if live is not None:
-            live.store_grad(param)
+            live.store(param)
 
     return store_grad
 
@@ -260,9 +285,32 @@ def _check_capacity(
         )
 
 
-def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Buffers (masks, running statistics) are small and live on the compute device."""
+def _move_buffers(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Buffers (masks, running statistics, rotary tables) move to the compute device, and
+    floating-point ones take the compute dtype, as ``model.to(device, dtype)`` does: a
+    BatchNorm's fp32 running statistics next to bf16 parameters and inputs fail in forward."""
     for module in model.modules():
         for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+            if buffer is None:
+                continue
+            target = dtype if buffer.is_floating_point() else buffer.dtype
+            if buffer.device != device or buffer.dtype != target:
+                module._buffers[name] = buffer.to(device=device, dtype=target)
+
+
+def _say_if_dtypes_change(
+    named: list[tuple[str, torch.nn.Parameter]], compute_dtype: torch.dtype, precision: str
+) -> None:
+    """One logged line when the model's parameters are in another dtype than the one it will
+    train in (a bf16 model under the default fp32 precision, an fp64 model)."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for _n, p in named if p.is_floating_point()})
+    target = str(compute_dtype).removeprefix("torch.")
+    if dtypes and dtypes != [target]:
+        _log.warning(
+            "the model's parameters are %s; chunkmem trains them in %s (config precision %r, "
+            "one of fp32, bf16, fp16)%s",
+            ", ".join(dtypes),
+            target,
+            precision,
+            "" if precision != "fp32" else "; set precision to bf16 or fp16 to train in 16 bits",
+        )

@@ -8,11 +8,15 @@ slot ``i`` of every chunk in the group belongs to the same parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from chunkmem._enum import FastHashEnum
 from chunkmem.states import MOVABLE_STATES, TensorState, check_transition
+
+if TYPE_CHECKING:
+    from chunkmem.tiers import StorageTier
 
 
 class ChunkKind(FastHashEnum):
@@ -31,13 +35,6 @@ class ChunkKind(FastHashEnum):
 DYNAMIC_KINDS = frozenset(
     {ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.GRAD_SHARD, ChunkKind.GATHERED}
 )
-
-
-class Tier(FastHashEnum):
-    """Where a chunk's payload lives."""
-
-    DEVICE = "device"
-    HOST = "host"
 
 
 @dataclass(eq=False)
@@ -120,17 +117,34 @@ class Chunk:
         self.dtype = dtype
         self.start = start
         self.numel = layout.capacity if numel is None else numel
-        self.tier: Tier | None = None  # None: no payload allocated
+        self.tier: StorageTier | None = None  # None: no payload allocated
         self._payload: torch.Tensor | None = None
         self._views: dict[int, torch.Tensor] = {}
         self._all_views: list[torch.Tensor] | None = None
-        self.pins = 0  # users outside the tensor-state machine (optimizer, gradient writes)
+        self.pins = 0  # holds outside the tensor-state machine; see ``pin``
         self.pending_event: object | None = None  # an async copy the payload waits for
         self.arriving: object | None = None  # a collective filling the payload (``wait()``)
 
     def __repr__(self) -> str:
-        tier = self.tier.value if self.tier else "unallocated"
+        tier = self.tier.name if self.tier else "unallocated"
         return f"Chunk(id={self.id}, {self.kind.value}, layout={self.layout.index}, {tier})"
+
+    @property
+    def on_device(self) -> bool:
+        """Whether the payload is on the compute tier."""
+        return self.tier is not None and self.tier.compute
+
+    def pin(self) -> None:
+        """Keep the chunk where it is. Every pin has one owner that unpins it on every exit
+        path: ``Residency.pinned`` for short holds, the in-flight collective objects of
+        ``zero/`` (their ``complete`` and ``cancel`` share one release), and the residency's
+        pins that last until the next moment."""
+        self.pins += 1
+
+    def unpin(self) -> None:
+        if self.pins <= 0:
+            raise AssertionError(f"{self!r} unpinned more often than pinned")
+        self.pins -= 1
 
     @property
     def payload(self) -> torch.Tensor | None:

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"chunkmem demo: GPT {args.layers}x{args.width}, {params:,} parameters, "
         f"{state_bytes / 2**20:.1f} MiB of model states ({args.precision}) on a "
-        f"{engine.manager.device.kind} device of {capacity / 2**20:.1f} MiB; "
+        f"{engine.residency.device.kind} device of {capacity / 2**20:.1f} MiB; "
         f"training on {len(train):,} bytes of Python stdlib source"
     )
     generator = torch.Generator().manual_seed(0)

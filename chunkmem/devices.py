@@ -24,7 +24,9 @@ class NonModelMeter:
     """Current and peak non-model bytes on the device since the last ``reset_peak``.
 
     The hooks report every saved activation and in-flight gradient with ``add``/``remove``;
-    the simulated device uses those counts as its measurement.
+    the simulated device uses those counts as its measurement. ``accounted_bytes`` is what the
+    ledger holds on the device (chunks and workspaces); a meter that measures all device
+    memory subtracts it.
     """
 
     def __init__(self) -> None:
@@ -38,30 +40,41 @@ class NonModelMeter:
     def remove(self, nbytes: int) -> None:
         self._counted -= nbytes
 
-    def current(self, chunk_bytes_on_device: int) -> int:
+    def current(self, accounted_bytes: int) -> int:
         return self._counted
 
-    def peak(self, chunk_bytes_on_device: int) -> int:
+    def peak(self, accounted_bytes: int) -> int:
         return self._peak
 
-    def reset_peak(self, chunk_bytes_on_device: int) -> None:
-        self._peak = self.current(chunk_bytes_on_device)
+    def reset_peak(self, accounted_bytes: int) -> None:
+        self._peak = self.current(accounted_bytes)
 
 
 class CudaAllocatorMeter(NonModelMeter):
-    """Non-model bytes = bytes the CUDA caching allocator has allocated minus chunk bytes."""
+    """Non-model bytes = bytes the CUDA caching allocator has allocated minus the ledger's
+    chunks and workspaces (which the allocator holds too: counting them as non-model memory
+    as well would count them twice).
+
+    It reads the allocator's nested statistics: ``torch.cuda.memory_allocated`` flattens and
+    sorts every statistic on each call, and the engine asks at every saved tensor.
+    ``reset_peak`` resets the peaks of ``torch.cuda.max_memory_allocated`` too: the allocator
+    keeps one peak per device.
+    """
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self._device = device
 
-    def current(self, chunk_bytes_on_device: int) -> int:
-        return max(0, torch.cuda.memory_allocated(self._device) - chunk_bytes_on_device)
+    def _allocated(self) -> dict[str, int]:
+        return torch.cuda.memory_stats_as_nested_dict(self._device)["allocated_bytes"]["all"]
 
-    def peak(self, chunk_bytes_on_device: int) -> int:
-        return max(0, torch.cuda.max_memory_allocated(self._device) - chunk_bytes_on_device)
+    def current(self, accounted_bytes: int) -> int:
+        return max(0, self._allocated()["current"] - accounted_bytes)
 
-    def reset_peak(self, chunk_bytes_on_device: int) -> None:
+    def peak(self, accounted_bytes: int) -> int:
+        return max(0, self._allocated()["peak"] - accounted_bytes)
+
+    def reset_peak(self, accounted_bytes: int) -> None:
         torch.cuda.reset_peak_memory_stats(self._device)
 
 
@@ -182,16 +195,23 @@ class CudaDevice(ComputeDevice):
             return torch.empty(numel, dtype=dtype)
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+        # [Note: one pool for chunk memory] The buffer is allocated on the compute stream, like
+        # every other chunk payload (``empty``). The caching allocator keeps a pool per stream
+        # and never hands a block freed by one stream's allocation to another's: buffers
+        # allocated on the copy stream would strand the memory of evicted chunks where new
+        # gradient and gathered chunks (compute stream) cannot reuse it, growing the reserved
+        # memory beyond the capacity. The copy stream waits for the compute stream first,
+        # since the block may have been freed by compute work that is still queued.
         compute = torch.cuda.current_stream(self.torch_device)
+        buffer = torch.empty(host.numel(), dtype=host.dtype, device=self.torch_device)
+        self.copy_stream.wait_stream(compute)
         with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_stream(compute)
-            buffer = torch.empty(host.numel(), dtype=host.dtype, device=self.torch_device)
             buffer.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        # The buffer was allocated on the copy stream; tell the allocator the compute stream
-        # uses it too, so its memory is not reused before compute work on it finished.
-        buffer.record_stream(compute)
+        # Should the buffer be freed before the compute stream waited for the event, its block
+        # must not be reused while the copy stream still writes it.
+        buffer.record_stream(self.copy_stream)
         return buffer, event
 
     def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import math
+import weakref
+from collections import Counter
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
@@ -19,23 +22,34 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from chunkmem.chunk import ChunkKind, Tier
+from chunkmem.chunk import ChunkKind
 from chunkmem.config import Config
-from chunkmem.errors import EngineUsageError
-from chunkmem.hooks import (
-    ActivationCounter,
-    ModuleHooks,
-    UnhookedAccessMode,
-    cast_floating,
-    make_saved_tensor_hooks,
-)
+from chunkmem.errors import CollectiveError, EngineUsageError
+from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, clip_coefficient
+from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.packing import ChunkSizeChoice
+from chunkmem.report import RunSummary, write_report
+from chunkmem.saved_tensors import ActivationCounter, make_saved_tensor_hooks
 from chunkmem.states import TensorState
 from chunkmem.tracer import Tracer
+
+_log = logging.getLogger("chunkmem")
+
+# The engine wrapping each model: a second engine on the same model would fight the first
+# over every parameter's ``.data`` (see ``chunkmem.initialize``).
+_ENGINE_OF: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Engine]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def engine_of(model: torch.nn.Module) -> Engine | None:
+    """The open engine wrapping ``model``, if any."""
+    ref = _ENGINE_OF.get(model)
+    return None if ref is None else ref()
 
 
 class EnginePhase(enum.Enum):
@@ -44,11 +58,15 @@ class EnginePhase(enum.Enum):
     IDLE: no graph pending; a forward may start.
     FORWARD_DONE: a training forward ran; ``backward`` must follow.
     BACKWARD_DONE: gradients are stored in chunks; ``step`` must follow.
+    STOPPED: an exception left a state the engine cannot train on (a collective failed, so
+    the process group may be unusable; or a step failed after updating some parameters, so
+    they no longer match one another). Every call raises, saying why; restore a checkpoint.
     """
 
     IDLE = "idle"
     FORWARD_DONE = "forward_done"
     BACKWARD_DONE = "backward_done"
+    STOPPED = "stopped"
 
 
 def input_signature(args: tuple, kwargs: dict) -> Hashable:
@@ -73,6 +91,7 @@ class Engine:
         module: torch.nn.Module,
         config: Config,
         manager: ChunkManager,
+        states: OptimizerStates,
         hooks: ModuleHooks,
         activations: ActivationCounter,
         optimizer: ChunkAdam,
@@ -82,6 +101,12 @@ class Engine:
         self.module = module
         self.config = config
         self.manager = manager
+        self.params = manager.params
+        self.grads = manager.grads
+        self.gatherer = manager.gatherer
+        self.reducer = manager.grads.reducer
+        self.residency = manager.residency
+        self.states = states
         self.hooks = hooks
         self.activations = activations
         self.optimizer = optimizer
@@ -96,20 +121,24 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.last_grad_norm: float | None = None
-        self._pack, self._unpack = make_saved_tensor_hooks(manager, activations)
+        self.stopped_because: str | None = None
+        self.cycles_started = 0  # aborted cycles included: collectives carry the number
+        self._closed = False
+        _ENGINE_OF[module] = weakref.ref(self)
+        self._pack, self._unpack = make_saved_tensor_hooks(manager, activations, internal)
 
     # ---------------------------------------------------------------- accessors
     @property
     def ledger(self) -> Ledger:
-        return self.manager.ledger
+        return self.residency.ledger
 
     @property
     def tracer(self) -> Tracer:
-        return self.manager.tracer
+        return self.residency.tracer
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.manager.compute_dtype
+        return self.params.compute_dtype
 
     @property
     def loss_scale(self) -> float:
@@ -117,10 +146,12 @@ class Engine:
 
     # ---------------------------------------------------------------- the three calls
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self._check_not_stopped()
         if self.phase is EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
-                "forward called again before backward; call engine.backward(loss) first, or "
-                "run evaluation forwards under torch.no_grad()"
+                "forward called again before backward; call engine.backward(loss) first, "
+                "engine.discard() to drop that batch, or run evaluation forwards under "
+                "torch.no_grad()"
             )
         if self.phase is EnginePhase.BACKWARD_DONE:
             raise EngineUsageError(
@@ -133,12 +164,15 @@ class Engine:
                 "finish the accumulation window with engine.step() first"
             )
         args, kwargs = cast_floating(
-            (args, kwargs), self.compute_dtype, self.manager.device.torch_device
+            (args, kwargs), self.compute_dtype, self.residency.device.torch_device
         )
         if not self.tracer.in_cycle:
+            self._forget_calls_outside_the_engine()
             self.tracer.begin_cycle(
                 ("train" if training else "eval", input_signature(args, kwargs))
             )
+            self.cycles_started += 1
+            self.states.sharding.begin_cycle(self.cycles_started)
         recording = not self.tracer.replaying
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -149,20 +183,22 @@ class Engine:
                 )
                 with mode:
                     output = self.module(*args, **kwargs)
-            if not self.manager.all_packed:
-                self.manager.pack_remaining(Tier.HOST)
-        except BaseException:
-            self._abort()
+            if not self.params.all_packed:
+                self.params.pack_remaining(self.residency.tiers.spill)
+        except BaseException as error:
+            self._abort(error)
             raise
         if training:
             self.phase = EnginePhase.FORWARD_DONE
         else:
             self.manager.reset_states()
+            self.residency.trace_nonmodel_peak()
             self.tracer.end_cycle()
         return output
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        self._check_not_stopped()
         if self.phase is not EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
                 f"engine.backward() needs a training forward first (the engine is {self.phase.value})"
@@ -175,14 +211,18 @@ class Engine:
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         final = self.micro_steps + 1 == self.config.gradient_accumulation_steps
         try:
-            self.manager.begin_backward(final_micro_batch=final)
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                (loss * factor if factor != 1.0 else loss).backward()
+            self.reducer.begin_backward(final_micro_batch=final)
+            self.grads.accepting = True
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    (loss * factor if factor != 1.0 else loss).backward()
+            finally:
+                self.grads.accepting = False
             self.hooks.finish_backward()
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
-            self.manager.finish_backward()
-        except BaseException:
-            self._abort()
+            self.reducer.finish_backward()
+        except BaseException as error:
+            self._abort(error)
             raise
         self.phase = EnginePhase.BACKWARD_DONE
 
@@ -192,6 +232,7 @@ class Engine:
         Returns True when the parameters were updated, False when only a micro-step was
         counted or an fp16 overflow skipped the update.
         """
+        self._check_not_stopped()
         if self.phase is not EnginePhase.BACKWARD_DONE:
             raise EngineUsageError(
                 f"engine.step() needs engine.backward() first (the engine is {self.phase.value})"
@@ -200,23 +241,27 @@ class Engine:
         if self.micro_steps < self.config.gradient_accumulation_steps:
             self.phase = EnginePhase.IDLE
             return False
+        self.optimizer.layouts_updated = 0
         try:
-            if self.manager.optimizer_homes is None:
+            if self.states.homes is None:
                 peak = max(self.tracer.observed.nonmodel_peak, default=0)
-                self.manager.place_optimizer_states(peak)
-            sharding = self.manager.sharding
-            if sharding.states_sharded:
-                if not sharding.grads_sharded_in_backward:
-                    self.manager.reduce_remaining()  # stage 1; stages 2-3 did in backward
-                self.manager.sync_grad_presence()
+                self.states.place(peak)
+            self.reducer.before_step()
             found_inf, divisor = self._unscale_and_clip()
             if found_inf:
                 self.optimizer.restore_from_masters()
             else:
                 self.optimizer.step(divisor)
             self.scaler.update(found_inf)
-        except BaseException:
-            self._abort()
+        except BaseException as error:
+            updated = self.optimizer.layouts_updated
+            self._abort(error)
+            if updated and self.stopped_because is None:
+                self._stop(
+                    f"engine.step() failed after it began updating {updated} chunk group(s) of "
+                    f"parameters ({type(error).__name__}: {error}); the others were not "
+                    f"updated, so the model is no longer one consistent state"
+                )
             raise
         self._end_cycle()
         self.global_steps += 1
@@ -224,39 +269,83 @@ class Engine:
 
     # ---------------------------------------------------------------- internals
     def _unscale_and_clip(self) -> tuple[bool, float]:
+        """(skip this step, gradient divisor). The global norm is computed every step: it is
+        the clipping norm, and it tells non-finite gradients (one read of the gradients; under
+        ZeRO one small all-reduce, so every rank decides alike)."""
         scale = self.scaler.scale
-        clipping = self.config.gradient_clipping
-        if clipping <= 0 and self.config.precision != "fp16":
-            return False, 1.0
         norm = self.optimizer.grad_norm() / scale
         self.last_grad_norm = norm
-        if not math.isfinite(norm):
-            if self.config.precision == "fp16":
-                return True, 1.0
-            raise FloatingPointError(
-                f"the global gradient norm is {norm} at step {self.global_steps}: training "
-                f"diverged; lower the learning rate or check the data"
-            )
-        return False, scale / clip_coefficient(norm, clipping)
+        if math.isfinite(norm):
+            return False, scale / clip_coefficient(norm, self.config.gradient_clipping)
+        if self.config.precision == "fp16":
+            return True, 1.0  # an overflow: the loss scaler backs off
+        step = self.global_steps + 1
+        if self.config.nonfinite == "skip":
+            _log.warning("step %d skipped: the gradient norm is %s (nonfinite: skip)", step, norm)
+            return True, 1.0
+        raise FloatingPointError(
+            f"step {step}: the global gradient norm is {norm}, some gradient is NaN or "
+            f"infinite. The step was not taken and its gradients were discarded; the next "
+            f"batch may train. Lower the learning rate or check the data, or set config "
+            f"'nonfinite': 'skip' to skip such steps"
+        )
 
     def _end_cycle(self) -> None:
-        self.manager.clear_grads()
-        if self.manager.sharding.params_sharded:
-            self.manager.drop_gathered()
+        self.grads.clear()
+        self.gatherer.end_cycle()
         self.manager.reset_states()
+        self.residency.trace_nonmodel_peak()
         self.tracer.end_cycle()
         self.ledger.iteration += 1
-        self.manager.sharding.set_tag(self.ledger.iteration)
+        self.states.sharding.set_tag(self.ledger.iteration)
         self.micro_steps = 0
         self.phase = EnginePhase.IDLE
 
-    def _abort(self) -> None:
-        self.hooks.reset()
-        self.manager.discard_grads()
-        self.manager.reset_states()
-        self.tracer.abandon_cycle()
-        self.micro_steps = 0
-        self.phase = EnginePhase.IDLE
+    def _abort(self, error: BaseException) -> None:
+        """Undo the cycle after ``error``: every owner releases what it holds (hook frames,
+        transient pins, reductions and gathers in flight, gradients, parameter slots that
+        held one), even if one of them raises. A failed collective stops the engine."""
+        try:
+            self.hooks.reset()
+            self.manager.reset_states()
+            self.activations.release_all()
+            with contextlib.ExitStack() as releases:
+                releases.callback(self.gatherer.cancel)
+                releases.callback(self.grads.discard)
+        except CollectiveError as cancel_error:
+            error = cancel_error
+        finally:
+            self.tracer.abandon_cycle()
+            self.micro_steps = 0
+            self.phase = EnginePhase.IDLE
+            if isinstance(error, CollectiveError):
+                self._stop(f"a collective failed ({error})")
+
+    def _forget_calls_outside_the_engine(self) -> None:
+        """A forward or backward of the bare model (eval, generation, a refused stray backward)
+        may leave hook frames and parameters in COMPUTE; no cycle runs, so nothing is in use."""
+        if self.hooks.stack or self.hooks.open_calls or not self.params.states_hold():
+            self.hooks.reset()
+            self.manager.reset_states()
+
+    def discard(self) -> None:
+        """Drop everything since the last optimizer step: the pending forward's graph and
+        activations, and the gradients of this accumulation window. The parameters and
+        optimizer states are untouched, and the next forward starts a fresh cycle (e.g. after
+        a loss that is not finite, or a batch the caller decides to skip)."""
+        self._check_not_stopped()
+        self._abort(EngineUsageError("discarded"))
+
+    def _stop(self, reason: str) -> None:
+        self.stopped_because = reason
+        self.phase = EnginePhase.STOPPED
+
+    def _check_not_stopped(self) -> None:
+        if self.phase is EnginePhase.STOPPED:
+            raise EngineUsageError(
+                f"the engine stopped and cannot train on: {self.stopped_because}. Restore "
+                f"the last checkpoint in a new engine (and a new process group)."
+            )
 
     # ---------------------------------------------------------------- state
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -265,12 +354,10 @@ class Engine:
         Keys are those of ``module.state_dict()`` (tied parameters appear under each name).
         Under ZeRO the shards are gathered, so every rank must call it.
         """
-        values = {
-            layout.index: self.manager.layout_values(layout) for layout in self.manager.layouts
-        }
+        values = {layout.index: self.params.layout_values(layout) for layout in self.params.layouts}
         state = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            slot = self.manager.slot_of(value) if isinstance(value, torch.nn.Parameter) else None
+            slot = self.params.slot_of(value) if isinstance(value, torch.nn.Parameter) else None
             if slot is not None:
                 flat = values[slot.layout.index][slot.offset : slot.offset + slot.numel]
                 state[key] = flat.view(slot.shape).clone()
@@ -281,35 +368,80 @@ class Engine:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of chunks by kind, over both tiers (padding included)."""
         totals: dict[str, int] = {}
-        for chunk in self.manager.chunks.values():
+        for chunk in self.residency.chunks.values():
             totals[chunk.kind.value] = totals.get(chunk.kind.value, 0) + chunk.nbytes
         return totals
 
     def num_parameters(self) -> int:
-        return sum(s.numel for s in self.manager.slots.values()) + sum(
-            p.numel() for p in self.manager.pending
-        )
+        """Elements of the model's parameters (tied ones once), packed or not yet."""
+        return self.params.num_parameters()
 
     def write_report(self, directory: str | Path) -> dict[str, Path]:
         """Write the memory-trace report (formats from the config); returns the paths."""
-        from chunkmem.report import write_report
+        return write_report(
+            self.run_summary(), self.ledger, Path(directory), self.config.report.formats
+        )
 
-        return write_report(self, Path(directory), self.config.report.formats)
+    def run_summary(self) -> RunSummary:
+        """What a report needs to know about this run besides the ledger."""
+        homes = self.states.homes
+        return RunSummary(
+            device_kind=self.residency.device.kind,
+            precision=self.config.precision,
+            global_steps=self.global_steps,
+            loss_scale=self.loss_scale,
+            model_state_bytes=self.model_state_bytes(),
+            chunks=self.chunk_summary(),
+            padding_bytes=sum(
+                c.layout.padding * c.dtype.itemsize for c in self.residency.chunks.values()
+            ),
+            optimizer_state_homes=None
+            if homes is None
+            else dict(Counter(tier.name for tier in homes.values())),
+            repaired_grad_slots=list(self.grads.repaired_grad_slots),
+            cycles_recorded=self.tracer.cycles_recorded,
+            divergences=self.tracer.divergences,
+            config=self.config.model_dump(mode="json"),
+            skipped_steps=self.scaler.skipped_steps,
+        )
 
     def close(self) -> None:
-        """Remove every hook this engine put on the model."""
-        self.hooks.detach()
-        for handle in self._grad_hook_handles:
-            handle.remove()
-        self._grad_hook_handles.clear()
+        """Give the model back: its parameters become ordinary tensors again, holding their
+        current values (fp32 masters where there are any) in their original dtype and on
+        their original device, and every hook this engine put on the model is removed. The
+        model may then be wrapped by a new engine. Under ZeRO every rank must call it (the
+        shards are gathered). Closing twice does nothing."""
+        if self._closed:
+            return
+        try:
+            if self.phase is not EnginePhase.STOPPED:
+                self._restore_parameters()
+        finally:
+            self._closed = True
+            self.hooks.detach()
+            for handle in self._grad_hook_handles:
+                handle.remove()
+            self._grad_hook_handles.clear()
+            _ENGINE_OF.pop(self.module, None)
+
+    def _restore_parameters(self) -> None:
+        params = self.params
+        if not params.all_packed:
+            params.pack_remaining(self.residency.tiers.spill)
+        values = {layout.index: params.layout_values(layout) for layout in params.layouts}
+        for slot in params.slots.values():
+            flat = values[slot.layout.index][slot.offset : slot.offset + slot.numel]
+            dtype, device = params.original[id(slot.param)]
+            slot.param.data = flat.view(slot.shape).to(device=device, dtype=dtype, copy=True)
+            slot.bound = False
 
     def chunk_summary(self) -> dict[str, Any]:
-        layouts = self.manager.layouts
+        layouts = self.params.layouts
         return {
             "chunk_size_elements": self.chunk_choice.size,
             "layouts": len(layouts),
             "chunks_by_kind": {
-                kind.value: sum(1 for c in self.manager.chunks.values() if c.kind is kind)
+                kind.value: sum(1 for c in self.residency.chunks.values() if c.kind is kind)
                 for kind in ChunkKind
             },
             "padding_elements": sum(layout.padding for layout in layouts),

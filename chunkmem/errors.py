@@ -34,3 +34,40 @@ class IllegalTransitionError(ChunkmemError, RuntimeError):
 
 class EngineUsageError(ChunkmemError, RuntimeError):
     """The engine's methods were called in an order or way it does not support."""
+
+
+class CollectiveError(ChunkmemError, RuntimeError):
+    """A collective failed or timed out; names the operation, the group and the cause.
+
+    The group may be poisoned afterwards (see zero/comm.py, [Note: a failed collective is
+    final]): the engine stops, and every later call says so.
+    """
+
+    def __init__(
+        self,
+        op: str,
+        group: str,
+        ranks: tuple[int, ...],
+        elapsed_s: float,
+        timeout_s: float,
+        cause: str,
+    ) -> None:
+        self.op = op
+        self.group = group
+        self.ranks = ranks
+        self.elapsed_s = elapsed_s
+        self.timeout_s = timeout_s
+        self.cause = cause
+        stop = "" if cause.endswith((".", "!", "?")) else "."
+        super().__init__(
+            f"{op} on group {group!r} (ranks {list(ranks)}) failed after {elapsed_s:.1f} s: "
+            f"{cause}{stop} A peer rank may have died or hung (the group's timeout is "
+            f"{timeout_s:g} s); the group may be unusable now, so stop training rather than "
+            "retry, and read the other ranks' logs for the first failure."
+        )
+
+    def __reduce__(self) -> tuple[type, tuple]:
+        # Keeps the attributes when the error crosses a process boundary (a test harness, a
+        # launcher collecting failures): the default pickling would pass only the message.
+        args = (self.op, self.group, self.ranks, self.elapsed_s, self.timeout_s, self.cause)
+        return type(self), args

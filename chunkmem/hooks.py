@@ -5,9 +5,7 @@
 - Pre-backward: a hook on the module's outputs fires when their gradient arrives, before the
   module's backward runs. Post-backward: an identity autograd function on the module's inputs
   fires once their gradients are computed, i.e. after the module's backward.
-- Saved-tensor hooks: a tensor saved for backward that aliases a parameter chunk is stored as
-  a token (geometry only) and rebuilt from the chunk on unpack, so evicting the chunk really
-  frees it; every other saved tensor is counted as non-model memory while it lives.
+- The saved-tensor hooks live in :mod:`chunkmem.saved_tensors`.
 - While a trace is being recorded, a torch-function mode catches parameter uses that no
   module hook arranged (a parent reading ``self.child.weight``); they are served on demand and
   added to that module's accesses from then on.
@@ -23,9 +21,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from chunkmem.devices import NonModelMeter
-from chunkmem.manager import ChunkManager, ParamToken
-from chunkmem.residency import Residency
+from chunkmem.manager import ChunkManager
 from chunkmem.states import TensorState
 from chunkmem.tracer import Moment, Phase
 
@@ -43,75 +39,6 @@ class _Internal:
 
 
 internal = _Internal()
-
-
-class ActivationCounter:
-    """Counts bytes of tensors saved for backward, once per storage, while they are alive."""
-
-    def __init__(self, meter: NonModelMeter, residency: Residency) -> None:
-        self._meter = meter
-        self._residency = residency
-        self._storages: dict[int, list[int]] = {}  # data_ptr -> [references, nbytes]
-
-    def hold(self, tensor: torch.Tensor) -> _SavedActivation:
-        storage = tensor.untyped_storage()
-        key, nbytes = storage.data_ptr(), storage.nbytes()
-        entry = self._storages.get(key)
-        if entry is not None:
-            entry[0] += 1
-            return _SavedActivation(tensor, key, self)
-        self._storages[key] = [1, nbytes]
-        self._meter.add(nbytes)
-        # Built before the capacity check: if that raises, the holder's __del__ undoes the count.
-        holder = _SavedActivation(tensor, key, self)
-        self._residency.on_nonmodel_growth()
-        return holder
-
-    def drop(self, key: int) -> None:
-        entry = self._storages[key]
-        entry[0] -= 1
-        if entry[0] == 0:
-            del self._storages[key]
-            self._meter.remove(entry[1])
-            self._residency.account_nonmodel()  # never raises: it runs while graphs are freed
-
-
-class _SavedActivation:
-    __slots__ = ("tensor", "_key", "_counter")
-
-    def __init__(self, tensor: torch.Tensor, key: int, counter: ActivationCounter) -> None:
-        self.tensor = tensor
-        self._key = key
-        self._counter = counter
-
-    def __del__(self) -> None:
-        self._counter.drop(self._key)
-
-
-def make_saved_tensor_hooks(manager: ChunkManager, counter: ActivationCounter):
-    """The (pack, unpack) pair for ``torch.autograd.graph.saved_tensors_hooks``."""
-    compute_device = manager.device.torch_device
-
-    def pack(tensor: torch.Tensor) -> Any:
-        with internal:
-            token = manager.token_for(tensor)
-            if token is not None:
-                return token
-            if tensor.device != compute_device or tensor.layout is not torch.strided:
-                return tensor
-            if tensor.untyped_storage().nbytes() == 0:
-                return tensor
-            return counter.hold(tensor)
-
-    def unpack(packed: Any) -> torch.Tensor:
-        if isinstance(packed, ParamToken):
-            with internal:
-                return manager.unpack(packed)
-        if isinstance(packed, _SavedActivation):
-            return packed.tensor
-        return packed
-
-    return pack, unpack
 
 
 @dataclass(eq=False)
@@ -141,6 +68,24 @@ class _PostBackward(torch.autograd.Function):
         return (None, None, *grads)
 
 
+@dataclass(eq=False)
+class _Frame:
+    """One running forward of a hooked module: what its pre-hook acquired, for its post-hook.
+
+    [Note: forwards that stop early] The post-hook is registered with ``always_call=True``,
+    so it runs when the forward raises too: an exception in the model, or the early stop of
+    non-reentrant activation checkpointing, whose recomputation in backward is interrupted
+    once the last saved tensor it needs is rebuilt. Without it, the interrupted units keep
+    their parameters in COMPUTE (their chunks unevictable) until backward ends, and whether
+    a model fits then depends on how those units fall into chunks: depth L could train while
+    L-1 ran out of memory.
+    """
+
+    module: torch.nn.Module
+    acquired: list[torch.nn.Parameter] | None = None
+    call: _Call | None = None
+
+
 @dataclass
 class ModuleHooks:
     """Registers and runs the module hooks of one model."""
@@ -149,9 +94,8 @@ class ModuleHooks:
     labels: dict[torch.nn.Module, str] = field(default_factory=dict)
     moments: dict[torch.nn.Module, tuple[Moment, Moment]] = field(default_factory=dict)
     accesses: dict[torch.nn.Module, list[torch.nn.Parameter]] = field(default_factory=dict)
-    stack: list[torch.nn.Module] = field(default_factory=list)
+    stack: list[_Frame] = field(default_factory=list)
     open_calls: dict[int, _Call] = field(default_factory=dict)
-    _in_forward: dict[torch.nn.Module, list[_Call]] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
 
     def attach(self, model: torch.nn.Module, max_unit_elements: int) -> None:
@@ -162,11 +106,13 @@ class ModuleHooks:
             label = names[module] or "<root>"
             self.labels[module] = label
             self.moments[module] = (Moment(Phase.FORWARD, label), Moment(Phase.BACKWARD, label))
-            self.accesses[module] = [p for p in units.get(module, []) if self.manager.is_managed(p)]
+            self.accesses[module] = [
+                p for p in units.get(module, []) if self.manager.params.is_managed(p)
+            ]
             self._handles.append(
                 module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
             )
-            self._handles.append(module.register_forward_hook(self._post_forward))
+            self._handles.append(module.register_forward_hook(self._post_forward, always_call=True))
 
     def detach(self) -> None:
         for handle in self._handles:
@@ -175,14 +121,13 @@ class ModuleHooks:
 
     def learn_access(self, param: torch.nn.Parameter) -> None:
         """Record that the module now running uses ``param`` without owning it."""
-        module = self.stack[-1] if self.stack else next(iter(self.labels))
+        module = self.stack[-1].module if self.stack else next(iter(self.labels))
         if not any(p is param for p in self.accesses[module]):
             self.accesses[module].append(param)
 
     def reset(self) -> None:
         self.stack.clear()
         self.open_calls.clear()
-        self._in_forward.clear()
 
     # forward
     def _pre_forward(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -194,19 +139,20 @@ class ModuleHooks:
             self._post_forward_inner(module, output)
 
     def _pre_forward_inner(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> Any:
-        self.stack.append(module)
+        frame = _Frame(module)
+        self.stack.append(frame)  # first: the post-hook pops it whatever happens next
         params = self.accesses[module]
         if not params:
             return None
         forward, backward = self.moments[module]
         self.manager.enter_moment(forward)
         self.manager.access(params)
+        frame.acquired = params
         self.manager.after_access()
         if not torch.is_grad_enabled():
             return None
-        call = _Call(module, backward, params)
-        self._in_forward.setdefault(module, []).append(call)
-        return self._wrap_inputs(call, args, kwargs)
+        frame.call = _Call(module, backward, params)
+        return self._wrap_inputs(frame.call, args, kwargs)
 
     def _wrap_inputs(self, call: _Call, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Route the inputs that need gradients through the post-backward function."""
@@ -225,15 +171,14 @@ class ModuleHooks:
         return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)
 
     def _post_forward_inner(self, module: torch.nn.Module, output: Any) -> None:
-        self.stack.pop()
-        params = self.accesses[module]
-        if not params:
-            return
-        self.manager.release(params, TensorState.HOLD_AFTER_FWD)
-        calls = self._in_forward.get(module)
-        if not calls or not torch.is_grad_enabled():
-            return
-        call = calls.pop()
+        if not self.stack or self.stack[-1].module is not module:
+            return  # an earlier pre-hook raised before ours ran: nothing of ours to undo
+        frame = self.stack.pop()
+        if frame.acquired is not None:
+            self.manager.release(frame.acquired, TensorState.HOLD_AFTER_FWD)
+        call = frame.call
+        if call is None or output is None:
+            return  # no grad, or the forward stopped early: no backward will come through it
 
         def on_output_grad(grad: torch.Tensor) -> None:
             with internal:
@@ -314,8 +259,8 @@ class UnhookedAccessMode(TorchFunctionMode):
         if not _Internal.depth:
             flat, _ = tree_flatten((args, kwargs))
             for value in flat:
-                if isinstance(value, torch.nn.Parameter) and self._manager.is_managed(value):
-                    slot = self._manager.slot_of(value)
+                if isinstance(value, torch.nn.Parameter) and self._manager.params.is_managed(value):
+                    slot = self._manager.params.slot_of(value)
                     if slot is None or slot.state is not TensorState.COMPUTE:
                         with internal:
                             self._manager.materialize(value)

@@ -2,7 +2,8 @@
 
 Tests, benchmarks and reports read numbers from here and nowhere else. Capacities are
 enforced here: an allocation that would exceed a tier's capacity raises, so "device bytes
-never exceeded capacity" is a fact the ledger can state, not an estimate.
+never exceeded capacity" is a fact the ledger can state, not an estimate. Accounts are keyed
+by tier name and built from the tiers it is given, so a new tier needs no change here.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ WORKSPACE = "workspace"  # transient buffers the engine allocates (e.g. fp32 gra
 
 @dataclass
 class TierAccount:
-    """Bytes one tier holds, split by kind, plus non-model bytes (device only).
+    """Bytes one tier holds, split by kind, plus non-model bytes (compute tier only).
 
     Totals are kept as running sums: they are read at every moment and every saved tensor.
     """
@@ -86,29 +87,33 @@ class AllocationEvent:
 
 @dataclass(frozen=True)
 class MomentSample:
-    """Bytes per tier at the start of a moment (and the non-model peak until the next one)."""
+    """Bytes per tier at the start of a moment, and the compute tier's non-model bytes."""
 
     iteration: int
     index: int
     label: str
-    device_by_kind: dict[str, int]
-    device_nonmodel: int
-    host_by_kind: dict[str, int]
+    by_tier: dict[str, dict[str, int]]  # tier name -> kind -> bytes
+    nonmodel: int
     allocations_before: int  # allocation events (recorded or dropped) before this sample
 
 
 class Ledger:
-    """Accounts allocations, non-model bytes and moves for the device and host tiers."""
+    """Accounts allocations, non-model bytes and moves, one account per tier.
+
+    ``capacities`` maps tier names to capacities (None: unlimited) in the order reports list
+    them; ``compute`` names the tier non-model bytes are counted on (the device).
+    """
 
     def __init__(
         self,
-        device_capacity: int | None,
-        host_capacity: int | None,
+        capacities: dict[str, int | None],
         max_move_events: int = 200_000,
+        compute: str = "device",
     ) -> None:
-        self.device = TierAccount("device", device_capacity)
-        self.host = TierAccount("host", host_capacity)
-        self.tiers = {"device": self.device, "host": self.host}
+        if compute not in capacities:
+            raise ValueError(f"the compute tier {compute!r} is not among {list(capacities)}")
+        self.tiers = {name: TierAccount(name, capacity) for name, capacity in capacities.items()}
+        self.device = self.tiers[compute]  # the compute tier, read on every hot path
         self.max_move_events = max_move_events
         self.moves: list[MoveEvent] = []
         self.moves_dropped = 0
@@ -118,8 +123,8 @@ class Ledger:
         self.moment_samples_dropped = 0
         self.iteration = 0
         self.moment_label = "init"
-        self.bytes_to_device: Counter[int] = Counter()  # by iteration
-        self.bytes_to_host: Counter[int] = Counter()
+        # Bytes moved into each tier, by iteration.
+        self.bytes_into: dict[str, Counter[int]] = {name: Counter() for name in self.tiers}
         self._seq = 0
 
     def would_fit(self, tier: str, nbytes: int) -> bool:
@@ -177,10 +182,7 @@ class Ledger:
         self, chunk_id: int, kind: str, src: str, dst: str, nbytes: int, reason: str
     ) -> None:
         self._seq += 1
-        if dst == "device":
-            self.bytes_to_device[self.iteration] += nbytes
-        else:
-            self.bytes_to_host[self.iteration] += nbytes
+        self.bytes_into[dst][self.iteration] += nbytes
         if len(self.moves) < self.max_move_events:
             self.moves.append(
                 MoveEvent(
@@ -209,15 +211,18 @@ class Ledger:
                 self.iteration,
                 index,
                 label,
-                dict(self.device.by_kind),
+                {name: dict(account.by_kind) for name, account in self.tiers.items()},
                 self.device.nonmodel,
-                dict(self.host.by_kind),
                 len(self.allocations) + self.allocations_dropped,
             )
         )
 
     def bytes_moved(self, iteration: int) -> int:
-        return self.bytes_to_device[iteration] + self.bytes_to_host[iteration]
+        """Bytes that crossed between any two tiers in ``iteration``."""
+        return sum(into[iteration] for into in self.bytes_into.values())
+
+    def iterations_with_moves(self) -> list[int]:
+        return sorted({i for into in self.bytes_into.values() for i, n in into.items() if n})
 
     def describe(self, tier: str) -> str:
         account = self.tiers[tier]

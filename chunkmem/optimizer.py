@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
-from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot, Tier
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.errors import ConfigError
 from chunkmem.manager import ChunkManager
+from chunkmem.optimizer_states import OptimizerStates
+from chunkmem.tiers import StorageTier
 from chunkmem.tracer import Moment, Phase
 
 # fp32 elements of gradient cast at once in bf16/fp16 training (the fused kernel needs fp32
@@ -76,15 +78,23 @@ class ChunkAdam:
     def __init__(
         self,
         manager: ChunkManager,
+        states: OptimizerStates,
         param_groups: list[dict[str, Any]],
         group_of: dict[int, int],
         decoupled_weight_decay: bool,
     ) -> None:
         self.manager = manager
+        self.states = states
+        self.params = manager.params
+        self.grads = manager.grads
+        self.residency = manager.residency
+        self.gatherer = manager.gatherer
+        self.sharding = states.sharding
         self.param_groups = param_groups
         self.group_of = group_of
         self.decoupled = decoupled_weight_decay
         self.step_counts: dict[TensorSlot, torch.Tensor] = {}
+        self.layouts_updated = 0  # layouts the running step began to update
 
     def _step_tensor(self, slot: TensorSlot, device: torch.device) -> torch.Tensor:
         counter = self.step_counts.get(slot)
@@ -95,26 +105,24 @@ class ChunkAdam:
         return counter
 
     def step(self, grad_divisor: float) -> None:
-        """Update every parameter that has a gradient (then, for ZeRO 1-2, gather them)."""
-        manager = self.manager
-        sharding = manager.sharding
-        divisor = grad_divisor * sharding.world_size
+        """Update every parameter that has a gradient; the gatherer makes each updated layout
+        whole again where ranks compute on it (ZeRO 1-2) and ``finish_step`` waits for that."""
+        divisor = grad_divisor * self.sharding.world_size
+        self.layouts_updated = 0
         try:
-            for layout in manager.trainable_layouts():
-                pieces = owned_pieces(layout, manager.state_span(layout))
+            for layout in self.params.trainable_layouts():
+                pieces = owned_pieces(layout, self.states.state_span(layout))
                 if pieces:
+                    self.layouts_updated += 1  # counted first: a half update counts too
                     self._step_layout(layout, pieces, divisor)
-                if sharding.states_sharded and not sharding.params_sharded:
-                    manager.gather_updated_params(layout)
+                self.gatherer.after_update(layout)
         finally:
-            manager.finish_step()
+            self.gatherer.finish_step()
 
     def _step_layout(self, layout: ChunkLayout, pieces: list[Piece], divisor: float) -> None:
-        manager = self.manager
-        manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
-        chunks = manager.step_chunks(layout)
-        home = manager.optimizer_homes[layout.index]  # type: ignore[index]
-        try:
+        self.manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
+        home = self.states.home(layout)
+        with self.states.update_chunks(layout) as chunks:
             device = chunks[ChunkKind.EXP_AVG].payload.device  # type: ignore[union-attr]
             slots = list(dict.fromkeys(slot for slot, _lo, _hi in pieces))
             steps = [self._step_tensor(s, device) for s in slots]
@@ -134,7 +142,7 @@ class ChunkAdam:
                 self._update(  # whole slots of whole chunks: cached views, no slicing
                     slots,
                     chunks[ChunkKind.PARAM].views(slots),
-                    manager.grad_views(slots),
+                    self.grads.views(slots),
                     chunks[ChunkKind.EXP_AVG].views(slots),
                     chunks[ChunkKind.EXP_AVG_SQ].views(slots),
                     steps,
@@ -144,34 +152,31 @@ class ChunkAdam:
                 self._update(
                     [slot for slot, _lo, _hi in pieces],
                     spans(chunks[ChunkKind.PARAM], pieces),
-                    [manager.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces],
+                    [self.grads.reducer.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces],
                     spans(chunks[ChunkKind.EXP_AVG], pieces),
                     spans(chunks[ChunkKind.EXP_AVG_SQ], pieces),
                     [step_of[id(s)] for s, _lo, _hi in pieces],
                     grad_scale,
                 )
-        finally:
-            manager.unpin(chunks.values())
         for slot in layout.slots:
             slot.grad_in_param_slot = False
-        manager.bind_layout(layout)
+        self.manager.binder.bind_layout(layout)
 
-    def _step_mixed(self, chunks, pieces, step_of, grad_scale, home: Tier) -> None:
+    def _step_mixed(self, chunks, pieces, step_of, grad_scale, home: StorageTier) -> None:
         """fp32 masters: cast gradients to fp32 a workspace at a time, update, write back."""
-        manager = self.manager
         total = sum(hi - lo for _slot, lo, hi in pieces)
-        workspace = manager.residency.allocate_workspace(
+        grad_source = self.grads.reducer.grad_source
+        with self.residency.workspace(
             min(total, WORKSPACE_ELEMENTS),
             torch.float32,
             home,
             {c.id for c in chunks.values()},
             within="capacity",
-        )
-        try:
+        ) as workspace:
             for batch in cut(pieces, WORKSPACE_ELEMENTS):
                 sizes = [hi - lo for _slot, lo, hi in batch]
                 grads = list(torch.split(workspace[: sum(sizes)], sizes))
-                sources = [manager.grad_source(s) for s, _lo, _hi in batch]
+                sources = [grad_source(s) for s, _lo, _hi in batch]
                 torch._foreach_copy_(
                     grads,
                     [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, batch, strict=True)],
@@ -190,11 +195,9 @@ class ChunkAdam:
                 param = chunks[ChunkKind.PARAM]
                 torch._foreach_copy_(spans(param, batch), masters)
                 self._account_stream([param] * len(batch), sizes, home, to_home=False)
-        finally:
-            manager.residency.free_workspace(workspace, home)
 
     def _account_stream(
-        self, sources: list[Chunk], sizes: list[int], home: Tier, to_home: bool
+        self, sources: list[Chunk], sizes: list[int], home: StorageTier, to_home: bool
     ) -> None:
         """Bytes crossing tiers: gradients read into the home tier, or values written back."""
         by_chunk: dict[int, list] = {}
@@ -203,9 +206,9 @@ class ChunkAdam:
             entry[1] += size * chunk.dtype.itemsize
         for chunk, nbytes in by_chunk.values():
             if to_home:
-                self.manager.residency.transfer(chunk, chunk.tier, home, nbytes, "step gradients")
+                self.residency.transfer(chunk, chunk.tier, home, nbytes, "step gradients")
             else:
-                self.manager.residency.transfer(chunk, home, chunk.tier, nbytes, "step values")
+                self.residency.transfer(chunk, home, chunk.tier, nbytes, "step values")
 
     def _update(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
         """One fused call per parameter group over aligned lists (slots may repeat: pieces)."""
@@ -236,25 +239,21 @@ class ChunkAdam:
 
     def restore_from_masters(self) -> None:
         """After a skipped step: every slot that holds a gradient gets its value back."""
-        manager = self.manager
-        for layout in manager.trainable_layouts():
+        for layout in self.params.trainable_layouts():
             slots = [s for s in layout.slots if s.grad_in_param_slot]
             if not slots:
                 continue
-            manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
-            chunks = manager.step_chunks(layout)
-            param_chunk, master = chunks[ChunkKind.PARAM], chunks[ChunkKind.MASTER]
-            try:
+            self.manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))
+            with self.states.update_chunks(layout) as chunks:
+                param_chunk, master = chunks[ChunkKind.PARAM], chunks[ChunkKind.MASTER]
                 torch._foreach_copy_(param_chunk.views(slots), master.views(slots))
                 nbytes = sum(s.numel for s in slots) * param_chunk.dtype.itemsize
-                manager.residency.transfer(
+                self.residency.transfer(
                     param_chunk, master.tier, param_chunk.tier, nbytes, "restore"
                 )
-            finally:
-                manager.unpin(chunks.values())
             for slot in slots:
                 slot.grad_in_param_slot = False
-            manager.bind_layout(layout)
+            self.manager.binder.bind_layout(layout)
 
     def grad_norm(self) -> float:
         """L2 norm of the gradients the update will use (averaged over ranks under ZeRO),
@@ -263,18 +262,23 @@ class ChunkAdam:
         Like ``clip_grad_norm_``: the fp32 norm of per-tensor norms (here per piece); ranks
         add the squares of their local norms.
         """
-        manager = self.manager
+        grad_source = self.grads.reducer.grad_source
         norms = []
-        for layout in manager.trainable_layouts():
-            pieces = owned_pieces(layout, manager.state_span(layout))
-            views = [manager.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces]
+        for layout in self.params.trainable_layouts():
+            pieces = owned_pieces(layout, self.states.state_span(layout))
+            sources = [grad_source(s) for s, _lo, _hi in pieces]
+            # A gradient chunk evicted in backward may still be copying to the host (or one
+            # fetched back, to the device): wait for it, as every other reader does.
+            for chunk in dict.fromkeys(sources):
+                self.residency.ready(chunk)
+            views = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
             if views:
                 norms.extend(n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32))
         local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        sharding = manager.sharding
+        sharding = self.sharding
         if sharding.world_size == 1:
             return float(local)
-        squares = local.double().square()
+        squares = local.double().square().reshape(1)
         sharding.all_reduce_sum(squares)
         return math.sqrt(float(squares)) / sharding.world_size
 

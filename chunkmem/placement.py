@@ -15,7 +15,6 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from chunkmem.chunk import Tier
 from chunkmem.tracer import Trace, Tracer
 
 POLICIES = ("belady", "lru")
@@ -47,7 +46,7 @@ class MomentPlan:
 
 def plan_moment(
     resident: set[int],
-    needed: dict[int, Tier],
+    needed: dict[int, bool],
     nbytes: Callable[[int], int],
     budget: int,
     movable: Callable[[int], bool],
@@ -55,15 +54,16 @@ def plan_moment(
 ) -> MomentPlan:
     """Bring every chunk needed on the device in, keeping resident bytes within ``budget``.
 
-    Chunks needed on the host go there first. Each incoming chunk first evicts the best
+    ``needed`` maps chunk ids to whether the moment needs them on the device; chunks it needs
+    off the device (an update where their states live) go there first. Each incoming chunk first evicts the best
     victims until it fits; the budget is soft (the needed chunks are always admitted), and the
     hard capacity is the ledger's to enforce.
     """
     resident = set(resident)
-    to_host = [c for c, tier in needed.items() if tier is Tier.HOST and c in resident]
+    to_host = [c for c, on_device in needed.items() if not on_device and c in resident]
     resident.difference_update(to_host)
     used = sum(nbytes(c) for c in resident)
-    incoming = [c for c, tier in needed.items() if tier is Tier.DEVICE]
+    incoming = [c for c, on_device in needed.items() if on_device]
     protected = set(incoming)
     to_device = []
     for chunk in incoming:
@@ -121,6 +121,14 @@ class Placement:
         peak = tracer.traced_nonmodel_peak(tracer.index, tracer.index + 1 + moments_ahead)
         return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
 
+    def release_budget(self, tracer: Tracer, static_bytes: int) -> int:
+        """Bytes chunks may hold once the current moment's chunks are released, until the
+        next moment. Recording: zero, as for :meth:`chunk_budget`."""
+        if not tracer.replaying:
+            return 0
+        peak = tracer.traced_nonmodel_after_release()
+        return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
+
     def lowest_budget(self, tracer: Tracer, static_bytes: int) -> int | None:
         """The smallest chunk budget of any moment of the replayed trace (None: recording)."""
         if tracer.replay is None:
@@ -142,8 +150,8 @@ class Placement:
         targets = []
         seen = set()
         for index, accessed in tracer.upcoming(self.lookahead):
-            for chunk_id, tier in accessed.items():
-                if tier is Tier.DEVICE and chunk_id not in seen:
+            for chunk_id, on_device in accessed.items():
+                if on_device and chunk_id not in seen:
                     seen.add(chunk_id)
                     targets.append((index - tracer.index, chunk_id))
         return targets
@@ -200,8 +208,8 @@ def simulate_traffic(
                     dead.discard(chunk)  # allocated fresh: nothing to copy
                 else:
                     to_device += nbytes[chunk]
-            for chunk, tier in accessed.items():
-                if tier is Tier.DEVICE:
+            for chunk, on_device in accessed.items():
+                if on_device:
                     tick += 1
                     last_access[chunk] = tick
             if trace.streamed:

@@ -1,25 +1,28 @@
 """Residency: where each chunk's payload is, and the mechanics of moving it.
 
 It carries out what :mod:`chunkmem.placement` decides: allocate and free payloads, move them
-between the device and the host with exact accounting in the ledger, make room by evicting,
-prefetch, and keep the device's non-model bytes in the ledger and the trace. It knows chunks,
-not parameters; the chunk manager hears about chunks arriving on or leaving the device through
-a :class:`ResidencyListener` (to bind or unbind parameters) and fills gathered chunks.
+between tiers (:mod:`chunkmem.tiers`) with exact accounting in the ledger, make room by
+evicting, prefetch, and keep the device's non-model bytes in the ledger and the trace. It
+knows chunks, not parameters; the parameter binder hears about chunks arriving on or leaving
+the device through a :class:`ResidencyListener`, and a chunk whose content is derived from
+other chunks (a ZeRO-3 gathered copy) gets it from a :class:`ChunkFiller`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Literal, Protocol
 
 import torch
 
-from chunkmem.chunk import DYNAMIC_KINDS, Chunk, ChunkKind, ChunkLayout, Tier
+from chunkmem.chunk import DYNAMIC_KINDS, Chunk, ChunkKind, ChunkLayout
 from chunkmem.devices import ComputeDevice
 from chunkmem.errors import OutOfMemoryError
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.placement import Placement, plan_moment
+from chunkmem.tiers import StorageTier, TierSet
 from chunkmem.tracer import Moment, Tracer
 
 RoomLimit = Literal["budget", "capacity"]
@@ -32,21 +35,31 @@ class ResidencyListener(Protocol):
     def chunk_leaving(self, chunk: Chunk) -> None:
         """``chunk``'s device payload is about to go (unbind its parameters)."""
 
-    def fill_gathered(self, chunk: Chunk, protect: set[int], async_op: bool) -> None:
-        """Give a gathered chunk its content (ZeRO-3: all-gather the shards)."""
+
+class ChunkFiller(Protocol):
+    def fill(self, chunk: Chunk) -> None:
+        """Give a freshly allocated device payload of a derived chunk its content."""
 
 
 class Residency:
     """Payload lifecycle and placement mechanics for every chunk of one process."""
 
     def __init__(
-        self, device: ComputeDevice, ledger: Ledger, tracer: Tracer, placement: Placement
+        self,
+        device: ComputeDevice,
+        tiers: TierSet,
+        ledger: Ledger,
+        tracer: Tracer,
+        placement: Placement,
     ) -> None:
         self.device = device
+        self.tiers = tiers
         self.ledger = ledger
         self.tracer = tracer
         self.placement = placement
         self.listener: ResidencyListener | None = None
+        self.filler: ChunkFiller | None = None
+        self.compute = tiers.compute
         self.chunks: dict[int, Chunk] = {}
         self._ids = itertools.count()
         self._device_storage: dict[int, Chunk] = {}  # data_ptr of a device payload -> chunk
@@ -64,7 +77,7 @@ class Residency:
         layout: ChunkLayout,
         kind: ChunkKind,
         dtype: torch.dtype,
-        tier: Tier | None,
+        tier: StorageTier | None,
         span: tuple[int, int] | None = None,
     ) -> Chunk:
         """A chunk of ``layout`` (whole, or ``span`` = (start, numel)); allocated on ``tier``."""
@@ -73,21 +86,22 @@ class Residency:
         self.chunks[chunk.id] = chunk
         layout.chunks[kind] = chunk
         if tier is not None:
-            if tier is Tier.DEVICE and kind in DYNAMIC_KINDS:
+            if tier.compute and kind in DYNAMIC_KINDS:
                 self.make_room(chunk.nbytes, protect=set(), reason="allocate")
             self.allocate_payload(chunk, tier)
         return chunk
 
-    def allocate_payload(self, chunk: Chunk, tier: Tier, zeroed: bool = True) -> None:
+    def allocate_payload(self, chunk: Chunk, tier: StorageTier, zeroed: bool = True) -> None:
         """Give a chunk without payload one on ``tier``; no bytes move. ``zeroed=False`` for
         a payload the caller overwrites entirely (a gather or reduce-scatter target)."""
         what = f"a {chunk.kind.value} chunk"
-        self.ledger.allocate(tier.value, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
-        if tier is Tier.DEVICE:
-            payload = self.device.empty(chunk.numel, chunk.dtype)
-        else:
-            payload = self.device.host_empty(chunk.numel, chunk.dtype)
+        if tier.compute:
+            self.trace_nonmodel_peak()
+        self.ledger.allocate(tier.name, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
+        payload = tier.allocate(chunk.numel, chunk.dtype)
         self._set_payload(chunk, payload.zero_() if zeroed else payload, tier)
+        if tier.compute:
+            self._restart_nonmodel_peak()
 
     def free_payload(self, chunk: Chunk) -> None:
         """Drop a chunk's payload: its content is dead (gradients after the step, a gathered
@@ -95,29 +109,36 @@ class Residency:
         if chunk.tier is None or chunk.payload is None:
             return
         self.ready(chunk)
-        if chunk.tier is Tier.DEVICE and self.listener is not None:
-            self.listener.chunk_leaving(chunk)
-        self.ledger.free(chunk.tier.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
+        on_device = chunk.tier.compute
+        if on_device:
+            self.trace_nonmodel_peak()
+            if self.listener is not None:
+                self.listener.chunk_leaving(chunk)
+        self.ledger.free(chunk.tier.name, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
         self._set_payload(chunk, None, None)
+        if on_device:
+            self._restart_nonmodel_peak()
         self.tracer.on_free(chunk.id)
 
-    def _set_payload(self, chunk: Chunk, payload: torch.Tensor | None, tier: Tier | None) -> None:
+    def _set_payload(
+        self, chunk: Chunk, payload: torch.Tensor | None, tier: StorageTier | None
+    ) -> None:
         """The one place a payload changes: keeps the device indexes in step."""
         dynamic = chunk.kind in DYNAMIC_KINDS
         if dynamic:
             self._dynamic_with_payload += (payload is not None) - (chunk.payload is not None)
-        if chunk.tier is Tier.DEVICE:
-            del self._device_storage[chunk.payload.untyped_storage().data_ptr()]
+        old, old_tier = chunk.payload, chunk.tier
+        if old_tier is not None and old_tier.compute:
+            del self._device_storage[old.untyped_storage().data_ptr()]
             if dynamic:
                 del self._resident[chunk.id]
                 self._resident_bytes -= chunk.nbytes
             else:
                 self._static_bytes -= chunk.nbytes
-        old = chunk.payload
         chunk.payload, chunk.tier = payload, tier
         if old is not None:
-            self.device.release(old)
-        if tier is Tier.DEVICE:
+            old_tier.free(old)
+        if tier is not None and tier.compute:
             self._device_storage[payload.untyped_storage().data_ptr()] = chunk
             if dynamic:
                 self._resident[chunk.id] = chunk
@@ -135,53 +156,68 @@ class Residency:
             arriving, chunk.arriving = chunk.arriving, None
             arriving.wait()  # type: ignore[attr-defined]
         if chunk.pending_event is not None:
-            if chunk.tier is Tier.DEVICE:
-                self.device.wait(chunk.pending_event)
-            else:
-                self.device.wait_host(chunk.pending_event)
-            chunk.pending_event = None
+            event, chunk.pending_event = chunk.pending_event, None
+            chunk.tier.wait(event)  # type: ignore[union-attr]
+
+    @contextlib.contextmanager
+    def pinned(self, chunks: Iterable[Chunk]) -> Iterator[None]:
+        """Hold ``chunks`` where they are (ready to read) for the block, released on any exit."""
+        held = list(chunks)
+        for chunk in held:
+            self.ready(chunk)
+        for chunk in held:
+            chunk.pin()
+        try:
+            yield
+        finally:
+            for chunk in held:
+                chunk.unpin()
 
     # ------------------------------------------------------------------ moving
-    def move(self, chunk: Chunk, dst: Tier, reason: str) -> None:
+    def move(self, chunk: Chunk, dst: StorageTier, reason: str) -> None:
         src = chunk.tier
         if src is dst:
             return
         assert src is not None and chunk.payload is not None
         if not chunk.movable():
             raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
-        if dst is Tier.HOST:
-            self.make_host_room(chunk.nbytes, protect={chunk.id})
+        if not dst.compute:
+            self.make_tier_room(dst, chunk.nbytes, protect={chunk.id})
+        device_bytes_change = src.compute or dst.compute
+        if device_bytes_change:
+            self.trace_nonmodel_peak()
         self.ledger.allocate(
-            dst.value,
+            dst.name,
             chunk.kind.value,
             chunk.nbytes,
-            f"moving {chunk!r} to {dst.value}",
+            f"moving {chunk!r} to {dst.name}",
             f"chunk {chunk.id}",
         )
-        if src is Tier.DEVICE and self.listener is not None:
+        if src.compute and self.listener is not None:
             self.listener.chunk_leaving(chunk)
-        if dst is Tier.DEVICE:
-            self.ready(chunk)
-            payload, event = self.device.to_device(chunk.payload)
-        else:
-            payload = self.device.host_empty(chunk.numel, chunk.dtype)
-            event = self.device.to_host(chunk.payload, payload)
-        self.ledger.free(src.value, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
+        self.ready(chunk)
+        payload, event = dst.copy_in(chunk.payload)
+        self.ledger.free(src.name, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
         self._set_payload(chunk, payload, dst)
+        if device_bytes_change:
+            self._restart_nonmodel_peak()
         chunk.pending_event = event
         self.ledger.record_move(
-            chunk.id, chunk.kind.value, src.value, dst.value, chunk.nbytes, reason
+            chunk.id, chunk.kind.value, src.name, dst.name, chunk.nbytes, reason
         )
-        if dst is Tier.DEVICE and self.listener is not None:
+        if dst.compute and self.listener is not None:
             self.listener.chunk_arrived(chunk)
 
-    def transfer(self, chunk: Chunk, src: Tier, dst: Tier, nbytes: int, reason: str) -> None:
+    def transfer(
+        self, chunk: Chunk, src: StorageTier, dst: StorageTier, nbytes: int, reason: str
+    ) -> None:
         """Account part of ``chunk`` copied between tiers without moving the chunk (the step's
         streamed gradients and values)."""
         if src is dst:
             return
-        self.ledger.record_move(chunk.id, chunk.kind.value, src.value, dst.value, nbytes, reason)
-        self.tracer.on_stream(nbytes, dst)
+        self.ledger.record_move(chunk.id, chunk.kind.value, src.name, dst.name, nbytes, reason)
+        if src.compute or dst.compute:
+            self.tracer.on_stream(nbytes, to_device=dst.compute)
 
     # ------------------------------------------------------------------ room
     def static_device_bytes(self) -> int:
@@ -201,16 +237,17 @@ class Residency:
     def evict_for(self, nbytes: int, limit: int, protect: set[int], reason: str) -> None:
         """Evict movable dynamic chunks until ``nbytes`` more fit under ``limit`` and capacity."""
         used = self._resident_bytes
-        if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
+        device = self.compute.name
+        if used + nbytes <= limit and self.ledger.would_fit(device, nbytes):
             return
         candidates = [
             c.id for c in self._resident.values() if c.id not in protect and self.evictable(c)
         ]
         for victim_id in self._rank()(candidates):
-            if used + nbytes <= limit and self.ledger.would_fit("device", nbytes):
+            if used + nbytes <= limit and self.ledger.would_fit(device, nbytes):
                 return
             victim = self.chunks[victim_id]
-            self.move(victim, Tier.HOST, reason)
+            self.move(victim, self.tiers.spill, reason)
             used -= victim.nbytes
 
     def make_room(
@@ -231,67 +268,74 @@ class Residency:
             else self.placement.capacity
         )
         self.evict_for(nbytes, limit, protect, reason)
-        if not self.ledger.would_fit("device", nbytes):
+        device = self.compute.name
+        if not self.ledger.would_fit(device, nbytes):
             raise OutOfMemoryError(
-                "device",
+                device,
                 nbytes,
                 max(0, self.ledger.device.available or 0),
                 f"Nothing more can be evicted at moment {self.ledger.moment_label!r}: "
-                f"{self.ledger.describe('device')}. The chunks in use at one moment plus the "
+                f"{self.ledger.describe(device)}. The chunks in use at one moment plus the "
                 f"non-model memory exceed the device capacity; raise device.capacity, use a "
                 f"smaller chunk.size, or lower the batch size / sequence length.",
             )
 
-    def make_host_room(self, nbytes: int, protect: set[int]) -> None:
-        """A limited host is full: send host chunks needed soonest on the device up early."""
-        if self.ledger.would_fit("host", nbytes):
+    def make_tier_room(
+        self, tier: StorageTier, nbytes: int, protect: set[int], within: RoomLimit = "budget"
+    ) -> None:
+        """A limited tier is full: send its dynamic chunks needed soonest on the device up
+        early, while the device has room for them (``within`` as for :meth:`make_room`)."""
+        if self.ledger.would_fit(tier.name, nbytes):
             return
-        on_host = [
+        on_tier = [
             c
             for c in self.chunks.values()
-            if c.tier is Tier.HOST
-            and c.kind in DYNAMIC_KINDS
-            and c.id not in protect
-            and c.movable()
+            if c.tier is tier and c.kind in DYNAMIC_KINDS and c.id not in protect and c.movable()
         ]
         if self.tracer.replaying:
-            on_host.sort(key=lambda c: self.tracer.next_device_use(c.id))
-        budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+            on_tier.sort(key=lambda c: self.tracer.next_device_use(c.id))
+        budget = (
+            self.placement.chunk_budget(self.tracer, self.static_device_bytes())
+            if within == "budget"
+            else self.placement.capacity
+        )
         used = self._resident_bytes
-        for chunk in on_host:
-            if self.ledger.would_fit("host", nbytes):
+        for chunk in on_tier:
+            if self.ledger.would_fit(tier.name, nbytes):
                 return
-            if used + chunk.nbytes <= budget and self.ledger.would_fit("device", chunk.nbytes):
-                self.move(chunk, Tier.DEVICE, "host pressure")
+            if used + chunk.nbytes <= budget and self.ledger.would_fit(
+                self.compute.name, chunk.nbytes
+            ):
+                self.move(chunk, self.compute, f"{tier.name} pressure")
                 used += chunk.nbytes
 
     def fetch(self, chunk: Chunk, protect: set[int], reason: str) -> None:
-        """Bring one chunk to the device: move it, allocate it, or (gathered) fill it."""
-        if chunk.tier is Tier.DEVICE:
+        """Bring one chunk to the device: move it, allocate it, or (derived) fill it."""
+        if chunk.on_device:
             return
         self.make_room(chunk.nbytes, protect, reason)
         if chunk.kind is ChunkKind.GATHERED:
-            assert self.listener is not None
-            self.allocate_payload(chunk, Tier.DEVICE, zeroed=False)
-            self.listener.fill_gathered(chunk, protect | {chunk.id}, async_op=False)
+            assert self.filler is not None and self.listener is not None
+            self.allocate_payload(chunk, self.compute, zeroed=False)
+            self.filler.fill(chunk)
             self.listener.chunk_arrived(chunk)
         elif chunk.tier is None:
             # Gradient chunks are written before they are read (the reduction zeroes what no
-            # gradient wrote, see ChunkManager._reduce); a gradient shard is allocated only to
-            # receive its first reduce-scatter, which writes all of it.
+            # gradient wrote, see zero.reduce); a gradient shard is allocated only to receive
+            # its first reduce-scatter, which writes all of it.
             unwritten = chunk.kind is ChunkKind.GRAD or chunk.kind is ChunkKind.GRAD_SHARD
-            self.allocate_payload(chunk, Tier.DEVICE, zeroed=not unwritten)
+            self.allocate_payload(chunk, self.compute, zeroed=not unwritten)
         else:
-            self.move(chunk, Tier.DEVICE, reason)
+            self.move(chunk, self.compute, reason)
 
-    def touch(self, chunk: Chunk, tier: Tier = Tier.DEVICE) -> None:
+    def touch(self, chunk: Chunk, on_device: bool = True) -> None:
         self._tick += 1
         self._last_access[chunk.id] = self._tick
-        self.tracer.on_access(chunk.id, tier)
+        self.tracer.on_access(chunk.id, on_device)
 
     def ensure_on_device(self, chunks: Sequence[Chunk]) -> None:
         """Bring ``chunks`` to the device, evicting by the placement plan."""
-        if all(chunk.tier is Tier.DEVICE for chunk in chunks):
+        if all(chunk.on_device for chunk in chunks):
             for chunk in chunks:
                 self.ready(chunk)
                 self.touch(chunk)
@@ -300,14 +344,14 @@ class Residency:
         budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
         plan = plan_moment(
             set(self._resident),
-            {c.id: Tier.DEVICE for c in chunks},
+            {c.id: True for c in chunks},
             lambda cid: self.chunks[cid].nbytes,
             budget,
             lambda cid: self.evictable(self.chunks[cid]),
             self._rank(),
         )
         for chunk_id in plan.to_host:
-            self.move(self.chunks[chunk_id], Tier.HOST, "evict")
+            self.move(self.chunks[chunk_id], self.tiers.spill, "evict")
         for chunk_id in plan.to_device:
             self.fetch(self.chunks[chunk_id], protect, "fetch")
         for chunk in chunks:
@@ -315,24 +359,26 @@ class Residency:
             self.touch(chunk)
 
     def pin_until_next_moment(self, chunk: Chunk) -> None:
-        chunk.pins += 1
+        """Hold a chunk an unpacked saved tensor or an unhooked use reads, until the moment
+        ends (the residency owns these pins; every moment boundary and reset releases them)."""
+        chunk.pin()
         self._transient_pins.append(chunk)
 
     def release_transient_pins(self) -> None:
-        for chunk in self._transient_pins:
-            chunk.pins -= 1
-        self._transient_pins.clear()
+        pins, self._transient_pins = self._transient_pins, []
+        for chunk in pins:
+            chunk.unpin()
 
     # ------------------------------------------------------------------ moments
     def enter_moment(self, moment: Moment) -> None:
         """A module's pre-forward / pre-backward or a step: sample, then let go of pins."""
         self.release_transient_pins()
-        chunk_bytes = self.ledger.device.model_bytes
-        nonmodel = self.device.meter.current(chunk_bytes)
+        self.trace_nonmodel_peak()  # the peak of the moment that ends here
+        nonmodel = self.device.meter.current(self.accounted_device_bytes())
         index = self.tracer.on_moment(moment, nonmodel)
         self.ledger.set_nonmodel(nonmodel)
         self.ledger.sample_moment(index, moment.name)
-        self.device.meter.reset_peak(chunk_bytes)
+        self._restart_nonmodel_peak()
 
     def after_access(self) -> None:
         """Once a moment's chunks are in: keep within the budget, then prefetch."""
@@ -348,27 +394,57 @@ class Residency:
         # backward) keep their room: a prefetch must not be what they evict.
         reserved = sum(
             self.chunks[c].nbytes
-            for c, tier in self.tracer.current_accesses().items()
-            if tier is Tier.DEVICE and c in self.chunks and self.chunks[c].tier is not Tier.DEVICE
+            for c, on_device in self.tracer.current_accesses().items()
+            if on_device and c in self.chunks and not self.chunks[c].on_device
         )
         for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
             chunk = self.chunks.get(chunk_id)
-            if chunk is None or chunk.tier is not Tier.HOST:
+            if chunk is None or chunk.tier is None or chunk.on_device:
                 continue  # on the device already, or nothing to copy (gathered, freed)
             window_budget = self.placement.chunk_budget(
                 self.tracer, self.static_device_bytes(), moments_ahead=ahead
             )
             needed = reserved + chunk.nbytes
             if self._resident_bytes + needed > window_budget or not self.ledger.would_fit(
-                "device", needed
+                self.compute.name, needed
             ):
                 break
-            self.move(chunk, Tier.DEVICE, "prefetch")
+            self.move(chunk, self.compute, "prefetch")
+
+    def after_release(self) -> None:
+        """Chunks of the current moment were released: keep room for the non-model bytes the
+        trace saw after that point (the loss after the last layer's forward), evicting now
+        rather than after those bytes exist."""
+        self.tracer.on_release()
+        budget = self.placement.release_budget(self.tracer, self.static_device_bytes())
+        if self._resident_bytes > budget:
+            self.evict_for(0, budget, protect=set(), reason="evict")
 
     # ------------------------------------------------------------------ non-model bytes
+    def accounted_device_bytes(self) -> int:
+        """Device bytes the ledger holds (chunks and workspaces): the rest is non-model."""
+        return self.ledger.device.model_bytes + self.ledger.device.workspace_bytes
+
+    def trace_nonmodel_peak(self) -> None:
+        """Trace the highest non-model bytes since the last restart at the current moment.
+
+        [Note: non-model peaks between samples] The hooks sample non-model bytes at moments,
+        saved tensors and gradients. What lives only inside an operator (an output before it
+        is saved, the gradient of the logits, an attention workspace) falls between samples;
+        on CUDA the allocator's peak covers it, and a trace without it budgets too many chunks
+        at that moment. The peak is the allocator's minus the ledger's device bytes, so it is
+        read before and restarted after every change of those (a chunk allocated, freed or
+        moved, a workspace), when the allocator and the ledger agree, and at every moment.
+        The simulated device counts only what the hooks sample, so this adds nothing there.
+        """
+        self.tracer.on_nonmodel(self.device.meter.peak(self.accounted_device_bytes()))
+
+    def _restart_nonmodel_peak(self) -> None:
+        self.device.meter.reset_peak(self.accounted_device_bytes())
+
     def account_nonmodel(self) -> int:
         """Record the device's current non-model bytes in the ledger and the trace."""
-        nonmodel = self.device.meter.current(self.ledger.device.model_bytes)
+        nonmodel = self.device.meter.current(self.accounted_device_bytes())
         self.ledger.set_nonmodel(nonmodel)
         self.tracer.on_nonmodel(nonmodel)
         return nonmodel
@@ -376,20 +452,21 @@ class Residency:
     def on_nonmodel_growth(self) -> None:
         """Non-model bytes grew: account them and evict chunks if the device is over capacity."""
         nonmodel = self.account_nonmodel()
-        if not self.ledger.overflow("device"):
+        device = self.compute.name
+        if not self.ledger.overflow(device):
             return
         resident = [c.id for c in self._resident.values() if self.evictable(c)]
         for victim_id in self._rank()(resident):
-            self.move(self.chunks[victim_id], Tier.HOST, "pressure")
-            if not self.ledger.overflow("device"):
+            self.move(self.chunks[victim_id], self.tiers.spill, "pressure")
+            if not self.ledger.overflow(device):
                 return
         raise OutOfMemoryError(
-            "device",
+            device,
             self.ledger.device.used,
             self.ledger.device.capacity or 0,
             f"Non-model memory ({nonmodel:,} bytes: activations saved for backward and "
             f"gradients in flight) at moment {self.ledger.moment_label!r} does not fit beside "
-            f"the chunks in use ({self.ledger.describe('device')}). Raise device.capacity, "
+            f"the chunks in use ({self.ledger.describe(device)}). Raise device.capacity, "
             f"lower the batch size or sequence length, use activation checkpointing, or a "
             f"smaller chunk.size.",
         )
@@ -399,20 +476,43 @@ class Residency:
         self,
         numel: int,
         dtype: torch.dtype,
-        tier: Tier,
+        tier: StorageTier,
         protect: set[int],
         within: RoomLimit = "budget",
     ) -> torch.Tensor:
         """A scratch buffer on ``tier``; ``within`` as for :meth:`make_room`."""
         nbytes = numel * dtype.itemsize
-        if tier is Tier.DEVICE:
+        if tier.compute:
             self.make_room(nbytes, protect, "workspace", within)
-            self.ledger.allocate("device", WORKSPACE, nbytes, "a workspace", WORKSPACE)
-            return self.device.empty(numel, dtype)
-        self.make_host_room(nbytes, protect)
-        self.ledger.allocate("host", WORKSPACE, nbytes, "a workspace", WORKSPACE)
-        return self.device.host_empty(numel, dtype)
+            self.trace_nonmodel_peak()
+        else:
+            self.make_tier_room(tier, nbytes, protect, within)
+        self.ledger.allocate(tier.name, WORKSPACE, nbytes, "a workspace", WORKSPACE)
+        buffer = tier.allocate(numel, dtype)
+        if tier.compute:
+            self._restart_nonmodel_peak()
+        return buffer
 
-    def free_workspace(self, buffer: torch.Tensor, tier: Tier) -> None:
-        self.ledger.free(tier.value, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
-        self.device.release(buffer)
+    def free_workspace(self, buffer: torch.Tensor, tier: StorageTier) -> None:
+        """Until the caller drops ``buffer`` the allocator still holds it, so the peak is not
+        restarted here: until the next change it may read high by the workspace, never low."""
+        if tier.compute:
+            self.trace_nonmodel_peak()
+        self.ledger.free(tier.name, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
+        tier.free(buffer)
+
+    @contextlib.contextmanager
+    def workspace(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        tier: StorageTier,
+        protect: set[int],
+        within: RoomLimit = "budget",
+    ) -> Iterator[torch.Tensor]:
+        """A scratch buffer for the block, freed on any exit."""
+        buffer = self.allocate_workspace(numel, dtype, tier, protect, within)
+        try:
+            yield buffer
+        finally:
+            self.free_workspace(buffer, tier)

@@ -1,9 +1,17 @@
-"""How one process holds the chunk layouts: everything (one process) or a ZeRO shard.
+"""The sharding seams: what the core asks about parameters and gradients across ranks.
 
-The chunk manager and the optimizer ask this object which part of a layout is theirs and
-use its collectives; they never talk to torch.distributed themselves. The base class is a
-world of one, where every collective is the identity. ``zero.sharding.ZeroSharding``
-implements stages 1-3 over a communicator.
+The core never asks which ZeRO stage runs. It asks three objects questions:
+
+- :class:`Sharding`: which span of each layout this rank owns (its parameters, its optimizer
+  states) and the two small collectives the step needs (reading values, the norm).
+- :class:`ParamGatherer`: which chunk kind parameters compute on, how that chunk gets its
+  content, what to prefetch, when a copy is dropped, and what to do after a layout's update.
+- :class:`GradReducer`: where a parameter's gradient is for the update, and what happens as
+  gradients become final (nothing, or a reduce-scatter), before the step, and on a cancel.
+
+Each base class is the world-of-one implementation (every method the identity or a no-op).
+``zero/`` subclasses them for stages 1-3 (``zero.strategy``), and ZeRO++'s qwZ, hpZ and qgZ
+are further subclasses; a :class:`Strategy` bundles the three for ``chunkmem.initialize``.
 
 Every layout's capacity is a multiple of the world size, and rank ``r`` owns elements
 ``[r * capacity / n, (r + 1) * capacity / n)`` of every layout (its shard).
@@ -11,11 +19,17 @@ Every layout's capacity is a multiple of the world size, and rank ``r`` owns ele
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from chunkmem.chunk import ChunkLayout
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+
+if TYPE_CHECKING:
+    from chunkmem.params import ParamStore
+    from chunkmem.residency import Residency
+
+Span = tuple[int, int]  # (start, numel) of a layout's elements
 
 
 class Waitable(Protocol):
@@ -26,7 +40,9 @@ class Waitable(Protocol):
         ...
 
 
-class _Done:
+class Done:
+    """A collective that was the identity: already complete."""
+
     def wait(self) -> None:
         return None
 
@@ -39,37 +55,23 @@ class Sharding:
 
     world_size = 1
     rank = 0
-    stage = 0
 
-    @property
-    def states_sharded(self) -> bool:
-        """Optimizer states (and the gradients they consume) are split across ranks."""
-        return self.stage >= 1
-
-    @property
-    def grads_sharded_in_backward(self) -> bool:
-        """Gradients are reduce-scattered during backward, as soon as a layout's are final."""
-        return self.stage >= 2
-
-    @property
-    def params_sharded(self) -> bool:
-        """Parameters are split too and all-gathered for compute."""
-        return self.stage >= 3
-
-    def shard(self, layout: ChunkLayout) -> tuple[int, int]:
-        """(start, numel) of the part of ``layout`` this rank owns."""
+    def shard(self, layout: ChunkLayout) -> Span:
+        """(start, numel) of this rank's equal part of ``layout``."""
         size = layout.capacity // self.world_size
         return self.rank * size, size
 
-    def all_gather(
-        self, shard: torch.Tensor, full: torch.Tensor, async_op: bool = False
-    ) -> Waitable:
-        full.copy_(shard)
-        return _Done()
+    def param_span(self, layout: ChunkLayout) -> Span | None:
+        """The part of the layout's parameters this rank keeps between uses (None: all)."""
+        return None
 
-    def reduce_scatter(self, full: torch.Tensor, shard: torch.Tensor, async_op: bool) -> Waitable:
-        shard.copy_(full)
-        return _Done()
+    def state_span(self, layout: ChunkLayout) -> Span | None:
+        """The part whose optimizer states (and fp32 masters) this rank holds (None: all)."""
+        return None
+
+    def all_gather(self, shard: torch.Tensor, full: torch.Tensor) -> None:
+        """Blocking: every rank's ``shard`` into ``full`` (reading sharded values)."""
+        full.copy_(shard)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         return None
@@ -77,3 +79,96 @@ class Sharding:
     def set_tag(self, iteration: int) -> None:
         """The iteration number collectives are recorded under (for per-step accounting)."""
         return None
+
+    def begin_cycle(self, cycle: int) -> None:
+        """A new forward/backward/step cycle starts (aborted ones count): every rank must be
+        in the same one whenever they meet in a collective."""
+        return None
+
+
+class ParamGatherer:
+    """How a layout's parameters are whole on the device when a module computes on them.
+
+    A world of one computes on the persistent parameter chunks: nothing to gather.
+    """
+
+    compute_kind: ChunkKind = ChunkKind.PARAM
+
+    def fill(self, chunk: Chunk) -> None:
+        """Give a freshly allocated compute chunk its content (blocking)."""
+        raise AssertionError(f"{type(self).__name__} computes on persistent chunks: {chunk!r}")
+
+    def after_access(self) -> None:
+        """A moment's chunks are in: start what the next moments will need."""
+
+    def released(self, layout: ChunkLayout) -> None:
+        """The last user of some of the layout's parameters released them."""
+
+    def moment_over(self) -> None:
+        """The moment that pinned chunks ended: look again at copies kept for it."""
+
+    def after_update(self, layout: ChunkLayout) -> None:
+        """This rank updated its span of ``layout``: make the new values whole where needed."""
+
+    def finish_step(self) -> None:
+        """Wait for what ``after_update`` started; every rank calls it after the step."""
+
+    def end_cycle(self) -> None:
+        """The parameters changed: copies built from the old values are stale."""
+
+    def cancel(self) -> None:
+        """An exception ended the cycle: finish or drop everything in flight, unpin it all."""
+
+    def transient_kinds(self) -> frozenset[ChunkKind]:
+        """Kinds whose payloads exist only around their use (not counted as resident)."""
+        return frozenset()
+
+
+class GradReducer:
+    """How gradients become the ones this rank's update reads.
+
+    A world of one updates from the gradients where backward wrote them.
+    """
+
+    def grad_source(self, slot: TensorSlot) -> Chunk:
+        """The chunk holding ``slot``'s gradient for the update (for this rank's span)."""
+        chunks = slot.layout.chunks
+        return chunks[ChunkKind.PARAM] if slot.grad_in_param_slot else chunks[ChunkKind.GRAD]
+
+    def begin_backward(self, final_micro_batch: bool) -> None:
+        """A backward starts; the last micro-batch of an accumulation window is final."""
+
+    def before_write(self, layout: ChunkLayout) -> None:
+        """A gradient is about to be added to ``layout``'s gradient chunk."""
+
+    def stored(self, slot: TensorSlot) -> None:
+        """``slot``'s gradient of this backward is in its chunk."""
+
+    def finish_backward(self) -> None:
+        """Backward ended normally."""
+
+    def before_step(self) -> None:
+        """Every gradient the update reads must be final now (every rank calls it)."""
+
+    def cancel(self) -> None:
+        """An exception ended the cycle: finish or drop everything in flight, unpin it all."""
+
+    def clear(self) -> None:
+        """The step consumed the gradients."""
+
+    def transient_kinds(self) -> frozenset[ChunkKind]:
+        """Kinds whose payloads exist only until they are reduced (not counted as resident)."""
+        return frozenset()
+
+
+class Strategy:
+    """The three seams for one process; ``zero.strategy`` builds the distributed ones."""
+
+    def __init__(self, sharding: Sharding | None = None) -> None:
+        self.sharding = sharding or Sharding()
+
+    def gatherer(self, residency: Residency) -> ParamGatherer:
+        return ParamGatherer()
+
+    def reducer(self, params: ParamStore, residency: Residency) -> GradReducer:
+        return GradReducer()

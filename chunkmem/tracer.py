@@ -19,7 +19,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 from chunkmem._enum import FastHashEnum
-from chunkmem.chunk import Tier
 
 _TRACES_PER_SIGNATURE = 4
 _SIGNATURES = 64  # least recently used signatures beyond this are forgotten
@@ -51,11 +50,15 @@ class Trace:
     """What one cycle did: moments in order, chunks each needed and where, non-model peaks."""
 
     moments: list[Moment] = field(default_factory=list)
-    accesses: list[dict[int, Tier]] = field(default_factory=list)  # chunk id -> tier needed
+    # chunk id -> whether the moment needed it on the compute device (False: where it lives)
+    accesses: list[dict[int, bool]] = field(default_factory=list)
     freed: list[set[int]] = field(default_factory=list)  # chunks whose content died here
-    # Bytes streamed at a moment without moving a chunk (to the device, to the host).
+    # Bytes streamed at a moment without moving a chunk (into the device, out of it).
     streamed: list[tuple[int, int]] = field(default_factory=list)
     nonmodel_peak: list[int] = field(default_factory=list)  # until the next moment
+    # The part of that peak reached after the moment's chunks were released (e.g. the loss
+    # computed after the last layer's forward): chunks in use then may not stay for it.
+    nonmodel_after_release: list[int] = field(default_factory=list)
     _device_uses: dict[int, list[int]] = field(default_factory=dict)
     max_nonmodel: int = 0
 
@@ -66,8 +69,8 @@ class Trace:
         """Index every chunk's device uses for fast next-use queries."""
         uses: dict[int, list[int]] = {}
         for index, accessed in enumerate(self.accesses):
-            for chunk_id, tier in accessed.items():
-                if tier is Tier.DEVICE:
+            for chunk_id, on_device in accessed.items():
+                if on_device:
                     uses.setdefault(chunk_id, []).append(index)
         self._device_uses = uses
         self.max_nonmodel = max(self.nonmodel_peak, default=0)
@@ -110,6 +113,7 @@ class Tracer:
         self.index = -1
         self.cycles_recorded = 0
         self.divergences = 0
+        self._released = False
 
     @property
     def replaying(self) -> bool:
@@ -136,35 +140,46 @@ class Tracer:
         self.observed.freed.append(set())
         self.observed.streamed.append((0, 0))
         self.observed.nonmodel_peak.append(nonmodel_now)
+        self.observed.nonmodel_after_release.append(0)
+        self._released = False
         if self.replay is not None and not self._matches(self.replay):
             self.replay = self._find_matching()
             if self.replay is None:
                 self.divergences += 1
         return self.index
 
-    def on_access(self, chunk_id: int, tier: Tier) -> None:
+    def on_access(self, chunk_id: int, on_device: bool) -> None:
         if self.index >= 0:
             accessed = self.observed.accesses[self.index]
-            # DEVICE wins: a chunk needed on the device at this moment must be there.
-            if accessed.get(chunk_id) is not Tier.DEVICE:
-                accessed[chunk_id] = tier
+            # The device wins: a chunk needed on the device at this moment must be there.
+            if not accessed.get(chunk_id, False):
+                accessed[chunk_id] = on_device
 
-    def on_stream(self, nbytes: int, to: Tier) -> None:
+    def on_stream(self, nbytes: int, to_device: bool) -> None:
         if self.index >= 0:
-            to_device, to_host = self.observed.streamed[self.index]
-            if to is Tier.DEVICE:
-                to_device += nbytes
+            into_device, out_of_device = self.observed.streamed[self.index]
+            if to_device:
+                into_device += nbytes
             else:
-                to_host += nbytes
-            self.observed.streamed[self.index] = (to_device, to_host)
+                out_of_device += nbytes
+            self.observed.streamed[self.index] = (into_device, out_of_device)
 
     def on_free(self, chunk_id: int) -> None:
         if self.index >= 0:
             self.observed.freed[self.index].add(chunk_id)
 
     def on_nonmodel(self, nbytes: int) -> None:
-        if self.index >= 0 and nbytes > self.observed.nonmodel_peak[self.index]:
-            self.observed.nonmodel_peak[self.index] = nbytes
+        if self.index < 0:
+            return
+        observed = self.observed
+        if nbytes > observed.nonmodel_peak[self.index]:
+            observed.nonmodel_peak[self.index] = nbytes
+        if self._released and nbytes > observed.nonmodel_after_release[self.index]:
+            observed.nonmodel_after_release[self.index] = nbytes
+
+    def on_release(self) -> None:
+        """The current moment's chunks were released; later growth may not keep them."""
+        self._released = True
 
     def end_cycle(self) -> None:
         """Keep what this cycle taught: a new trace, or higher peaks for the replayed one."""
@@ -173,10 +188,10 @@ class Tracer:
         observed = self.observed
         replayed = self.replay
         if replayed is not None and len(replayed) == len(observed):
-            replayed.nonmodel_peak = [
-                max(a, b)
-                for a, b in zip(replayed.nonmodel_peak, observed.nonmodel_peak, strict=True)
-            ]
+            replayed.nonmodel_peak = _higher(replayed.nonmodel_peak, observed.nonmodel_peak)
+            replayed.nonmodel_after_release = _higher(
+                replayed.nonmodel_after_release, observed.nonmodel_after_release
+            )
             replayed.accesses = observed.accesses
             replayed.freed = observed.freed
             replayed.streamed = observed.streamed
@@ -213,7 +228,7 @@ class Tracer:
         assert self.replay is not None
         return self.replay.next_device_use(chunk_id, self.index)
 
-    def current_accesses(self) -> dict[int, Tier]:
+    def current_accesses(self) -> dict[int, bool]:
         """What the replayed trace says the current moment accesses."""
         if self.replay is None or not 0 <= self.index < len(self.replay):
             return {}
@@ -232,7 +247,7 @@ class Tracer:
             self.replay.moments[i % count].phase is phase for i in range(self.index + 1, stop + 1)
         )
 
-    def upcoming(self, lookahead: int) -> list[tuple[int, dict[int, Tier]]]:
+    def upcoming(self, lookahead: int) -> list[tuple[int, dict[int, bool]]]:
         """The next ``lookahead`` moments' accesses, wrapping into the next cycle."""
         if self.replay is None or not len(self.replay):
             return []
@@ -244,5 +259,14 @@ class Tracer:
         assert self.replay is not None
         return self.replay.peak_nonmodel(start, stop)
 
+    def traced_nonmodel_after_release(self) -> int:
+        """The traced non-model peak after the current moment's chunks are released."""
+        assert self.replay is not None
+        return self.replay.nonmodel_after_release[self.index]
+
     def traces_for(self, signature: Hashable) -> list[Trace]:
         return list(self._traces.get(signature, []))
+
+
+def _higher(a: list[int], b: list[int]) -> list[int]:
+    return [max(x, y) for x, y in zip(a, b, strict=True)]

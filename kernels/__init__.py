@@ -1,10 +1,13 @@
-"""Block-wise int8/int4 quantization kernels for qwZ and qgZ: pure functions on flat buffers.
+"""Native kernels on flat buffers, the bottom layer of chunkmem (it imports nothing else of it).
 
-One spec (docs/kernels.md), three implementations that agree bit for bit: the torch reference
-(kernels.reference, the ground truth), a native CPU library and a CUDA library. This package is
-the bottom layer of chunkmem and imports nothing else of it.
+- Block-wise int8/int4 quantization for qwZ and qgZ: one spec (docs/kernels.md), three
+  implementations that agree bit for bit: the torch reference (kernels.reference, the ground
+  truth), a native CPU library and a CUDA library.
+- `kernels.host_optim`: Adam/AdamW and SGD steps on host buffers, bit-identical to torch's fused
+  CPU kernels, with a one-pass mixed-precision step (docs/host_optim.md).
 """
 
+from kernels import host_optim
 from kernels.ops import (
     BACKEND_ENV,
     Backend,
@@ -27,6 +30,7 @@ __all__ = [
     "dequant_reduce",
     "dequant_reduce_requant",
     "dequantize",
+    "host_optim",
     "quantize",
     "slice_numel",
     "swizzled_quantize",

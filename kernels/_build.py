@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import uuid
 from pathlib import Path
 
 CSRC = Path(__file__).resolve().parent / "csrc"
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 class BuildError(RuntimeError):
@@ -50,13 +52,27 @@ def _tool_identity(tool: str) -> str:
     return out.stdout
 
 
+def _local_headers(source: Path) -> list[Path]:
+    """The headers of CSRC that `source` includes with `#include "..."`, directly or not, so
+    that a library's cache key changes with its own headers only."""
+    found: set[Path] = set()
+    pending = [source]
+    while pending:
+        for name in _INCLUDE.findall(pending.pop().read_text()):
+            header = CSRC / name
+            if header not in found and header.is_file():
+                found.add(header)
+                pending.append(header)
+    return sorted(found)
+
+
 def build(name: str, tool: str, source: Path, flags: list[str], extra_key: str = "") -> Path:
-    """Path of lib<name>.so compiled from `source` (and the headers beside it), building it
+    """Path of lib<name>.so compiled from `source` (and the CSRC headers it includes), building it
     on a cache miss. Raises BuildError with the compiler's output when the build fails."""
     digest = hashlib.sha256()
     for part in (_tool_identity(tool), " ".join(flags), extra_key):
         digest.update(part.encode() + b"\0")
-    for path in sorted(CSRC.glob("*.h")) + [source]:
+    for path in [*_local_headers(source), source]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     target = cache_root() / f"{name}-{digest.hexdigest()[:16]}" / f"lib{name}.so"
     if target.exists():

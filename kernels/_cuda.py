@@ -91,5 +91,6 @@ def load_cuda() -> NativeKernels:
         path,
         extra_args=lambda device: (torch.cuda.current_stream(device).cuda_stream,),
         extra_argtypes=(ctypes.c_void_p,),
+        device_guard=torch.cuda.device,
         last_error=lambda: lib.cmq_cuda_last_error().decode(),
     )

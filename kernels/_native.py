@@ -16,9 +16,11 @@ Every function returns 0 on success (codes in quant_math.h, `Status`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import platform
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -67,8 +69,10 @@ class NativeKernels:
     """The kernels of one loaded library, called with tensors. Each writes into `out` when it
     is given (checked by kernels.ops) and into a fresh buffer otherwise.
 
-    `extra_args` supplies trailing arguments per call (the CUDA stream); `last_error` the text
-    of the library's last error, if it keeps one.
+    `extra_args` supplies trailing arguments per call (the CUDA stream); `device_guard` makes
+    the tensors' device current around a call (a CUDA launch goes to the current device, and
+    the stream must belong to it); `last_error` the text of the library's last error, if it
+    keeps one.
     """
 
     def __init__(
@@ -78,10 +82,14 @@ class NativeKernels:
         path: Path,
         extra_args: Callable[[torch.device], tuple] = lambda device: (),
         extra_argtypes: tuple = (),
+        device_guard: Callable[[torch.device], AbstractContextManager] = lambda device: (
+            contextlib.nullcontext()
+        ),
         last_error: Callable[[], str] = lambda: "",
     ) -> None:
         self.path = path
         self._extra_args = extra_args
+        self._device_guard = device_guard
         self._last_error = last_error
         self._fns = {}
         for name, argtypes in _SIGNATURES.items():
@@ -91,7 +99,8 @@ class NativeKernels:
             self._fns[name] = fn
 
     def _call(self, name: str, device: torch.device, *args) -> None:
-        status = self._fns[name](*args, *self._extra_args(device))
+        with self._device_guard(device):
+            status = self._fns[name](*args, *self._extra_args(device))
         if status != 0:
             detail = self._last_error()
             raise RuntimeError(

@@ -2,7 +2,9 @@
 
 `run_ranks(fn, world_size, *args)` starts one process per rank, each calls
 ``fn(comm, *args)`` with a `Communicator` over a fresh gloo world, and returns the ranks' return
-values in rank order. A rank that raises fails the test with its traceback; a run that outlives
+values in rank order. ``backend="nccl"`` gives each rank its own GPU (rank r on cuda:r); under
+gloo every rank's LOCAL_RANK is 0, so ranks that train on CUDA share the first GPU (NCCL
+refuses two ranks on one device). A rank that raises fails the test with its traceback; a run that outlives
 its deadline fails naming the ranks still running, and its processes are killed.
 
 [Note: forkserver, and no teardown collectives]
@@ -47,6 +49,7 @@ def run_ranks(
     timeout_s: float = 10.0,
     deadline_s: float = 60.0,
     dying_ranks: Collection[int] = (),
+    backend: str = "gloo",
 ) -> list[Any]:
     """``fn(comm, *args)`` on ``world_size`` ranks; each rank's return value, in rank order.
 
@@ -58,7 +61,7 @@ def run_ranks(
     processes = [
         _CONTEXT.Process(
             target=_rank_main,
-            args=(rank, world_size, fn, args, str(run_dir), timeout_s, deadline_s),
+            args=(rank, world_size, fn, args, str(run_dir), timeout_s, deadline_s, backend),
             daemon=True,
         )
         for rank in range(world_size)
@@ -122,15 +125,23 @@ def _rank_main(
     run_dir: str,
     timeout_s: float,
     deadline_s: float,
+    backend: str,
 ) -> None:
     torch.set_num_threads(1)  # ranks share two cores
+    local_rank = rank if backend == "nccl" else 0
+    os.environ["LOCAL_RANK"] = str(local_rank)  # the GPU chunkmem.initialize picks
     try:
+        device_id = None
+        if backend == "nccl":
+            device_id = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device_id)
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{run_dir}/store",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
+            device_id=device_id,
         )
         outcome = ("returned", fn(Communicator(init_world(timeout_s=timeout_s)), *args))
         payload = pickle.dumps(outcome)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from kernels import QuantizedTensor
@@ -13,8 +15,20 @@ def bits_view(t: torch.Tensor) -> torch.Tensor:
     return t.view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
 
 
+def quantized_on(q: QuantizedTensor, device: torch.device | str) -> QuantizedTensor:
+    """``q`` with its tensors copied to ``device`` (the same object if they are there)."""
+    if q.device == torch.device(device):
+        return q
+    offsets = None if q.offsets is None else q.offsets.to(device)
+    return dataclasses.replace(
+        q, data=q.data.to(device), scales=q.scales.to(device), offsets=offsets
+    )
+
+
 def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """Equal bit patterns, except that any NaN equals any NaN (payloads are unspecified)."""
+    """Equal bit patterns, except that any NaN equals any NaN (payloads are unspecified).
+    Tensors on other devices (CUDA results) are compared on the CPU."""
+    actual, expected = actual.cpu(), expected.cpu()
     assert actual.dtype == expected.dtype and actual.shape == expected.shape, what
     if actual.is_floating_point():
         nan = torch.isnan(actual)

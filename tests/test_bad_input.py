@@ -60,7 +60,7 @@ def test_tensor_larger_than_chunk_gets_its_own_chunk() -> None:
     model = GPT(SMALL)
     engine = chunkmem.initialize(model, config=simulated(10**7, chunk={"size": 1024}))
     train_engine(engine, token_batches(1, batch=2, seq=16, vocab=64))
-    wte = engine.manager.slot_of(engine.module.wte.weight)
+    wte = engine.params.slot_of(engine.module.wte.weight)
     layout = wte.layout
     assert wte.numel > 1024 and layout.capacity == wte.numel and len(layout.slots) == 1
 
@@ -113,3 +113,16 @@ def test_models_chunkmem_cannot_manage() -> None:
         chunkmem.initialize(odd, config=simulated(10**6))
     with pytest.raises(TypeError, match="needs a torch.nn.Module"):
         chunkmem.initialize(lambda x: x, config=simulated(10**6))
+
+
+def test_num_parameters_counts_before_the_first_forward_and_after() -> None:
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    expected = sum(p.numel() for p in model.parameters())  # tied weights once
+    engine = chunkmem.initialize(
+        model, config={"device": {"type": "simulated", "capacity": "4MiB"}}
+    )
+    assert engine.num_parameters() == expected  # nothing packed yet
+    x = torch.randint(0, 64, (2, 16))
+    engine.backward(engine(x, x))
+    engine.step()
+    assert engine.num_parameters() == expected

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import chunkmem
-from chunkmem.chunk import ChunkKind, ChunkLayout, Tier
+from chunkmem.chunk import ChunkKind, ChunkLayout
 from chunkmem.models.gpt import GPT, GPTConfig
 from tests.reference import max_relative_diff, token_batches, train_engine, train_reference
 
@@ -43,9 +43,9 @@ def test_tied_weights_share_one_slot_and_train_like_torch() -> None:
     reference = train_reference(model, data, precision="bf16")
     engine = make_engine(copy.deepcopy(model), tight_capacity(SMALL, "bf16"), precision="bf16")
     train_engine(engine, data)
-    slots = [s for s in engine.manager.slots.values() if s.param is engine.module.wte.weight]
+    slots = [s for s in engine.params.slots.values() if s.param is engine.module.wte.weight]
     assert len(slots) == 1
-    assert len(engine.manager.slots) == len(list(engine.module.parameters()))
+    assert len(engine.params.slots) == len(list(engine.module.parameters()))
     state = engine.state_dict()
     assert torch.equal(state["wte.weight"], state["head.weight"])
     assert max_relative_diff(params_of(engine, reference.masters), reference.masters) <= 1e-2
@@ -107,8 +107,7 @@ def test_frozen_parameters_stay_fixed_and_get_no_optimizer_states() -> None:
     reference = train_reference(model, data, precision="bf16")
     engine = make_engine(copy.deepcopy(model), tight_capacity(SMALL, "bf16"), precision="bf16")
     train_engine(engine, data)
-    manager = engine.manager
-    frozen_layouts = [layout for layout in manager.layouts if not layout.trainable]
+    frozen_layouts = [layout for layout in engine.params.layouts if not layout.trainable]
     assert {s.name for layout in frozen_layouts for s in layout.slots} == set(frozen_names)
     for layout in frozen_layouts:
         assert set(layout.chunks) == {ChunkKind.PARAM}
@@ -142,9 +141,9 @@ def test_parameter_used_twice_and_after_its_gradient_is_final() -> None:
     reference = train_reference(model, data, precision="bf16")
     engine = make_engine(copy.deepcopy(model), 10**6, precision="bf16")
     train_engine(engine, data[:1])
-    assert engine.manager.repaired_grad_slots == ["shared.weight"]
+    assert engine.grads.repaired_grad_slots == ["shared.weight"]
     train_engine(engine, data[1:])
-    assert engine.manager.repaired_grad_slots == ["shared.weight"], "learned after one repair"
+    assert engine.grads.repaired_grad_slots == ["shared.weight"], "learned after one repair"
     assert max_relative_diff(params_of(engine, reference.masters), reference.masters) <= 1e-2
 
 
@@ -318,10 +317,8 @@ def test_steady_state_has_no_pressure_evictions_and_matches_offline_belady() -> 
     steady = [m for m in engine.ledger.moves if m.iteration >= 2]
     assert steady and not [m for m in steady if m.reason == "pressure"]
     trace = engine.tracer.traces_for(_signature(engine))[-1]
-    nbytes = {c.id: c.nbytes for c in engine.manager.chunks.values()}
-    budgets = [
-        capacity - engine.manager.residency.static_device_bytes() - p for p in trace.nonmodel_peak
-    ]
+    nbytes = {c.id: c.nbytes for c in engine.residency.chunks.values()}
+    budgets = [capacity - engine.residency.static_device_bytes() - p for p in trace.nonmodel_peak]
     offline = simulate_traffic(trace, nbytes, budgets, "belady")
     assert engine.ledger.bytes_moved(4) == offline.bytes_moved
 
@@ -330,9 +327,9 @@ def test_optimizer_states_live_on_device_when_everything_fits() -> None:
     model = GPT(SMALL)
     engine = make_engine(model, 100 * SMALL.num_parameters(), precision="bf16")
     train_engine(engine, token_batches(4, batch=2, seq=16, vocab=64))
-    assert set(engine.manager.optimizer_homes.values()) == {Tier.DEVICE}
+    assert {t.name for t in engine.states.homes.values()} == {"device"}
     assert engine.ledger.bytes_moved(3) == 0
-    assert engine.ledger.host.model_bytes == 0
+    assert engine.ledger.tiers["host"].model_bytes == 0
 
 
 def test_a_dropped_engine_frees_its_chunks() -> None:
@@ -377,7 +374,7 @@ def test_first_step_keeps_parameters_on_a_device_with_room_when_the_host_is_tigh
         },
     )
     train_engine(engine, token_batches(3, batch=1, seq=32, vocab=256))
-    assert set(engine.manager.optimizer_homes.values()) == {Tier.DEVICE, Tier.HOST}
+    assert {t.name for t in engine.states.homes.values()} == {"device", "host"}
     assert engine.ledger.device.by_kind["param"] == engine.model_state_bytes()["param"]
 
 
@@ -406,7 +403,7 @@ def test_exception_in_forward_aborts_the_cycle_cleanly(precision: str) -> None:
     with pytest.raises(RuntimeError, match="data error"):
         engine(*data[1])
     engine.module.fail = False
-    assert engine.manager.states_hold()
+    assert engine.params.states_hold()
     train_engine(engine, data[2:])
     tolerance = 1e-5 if precision == "fp32" else 1e-2
     assert max_relative_diff(params_of(engine, reference.masters), reference.masters) <= tolerance

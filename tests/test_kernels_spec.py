@@ -14,6 +14,7 @@ from kernels._native import load_cpu
 from tests.kernels_helpers import (
     assert_same_bits,
     assert_same_quantized,
+    quantized_on,
     roundtrip_bound,
 )
 
@@ -57,34 +58,38 @@ def _edge_cases(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     }
 
 
-def _check_all_ops(x: torch.Tensor, bits: int, symmetric: bool, group_size: int = G) -> None:
-    """Every op of the native library against the reference on x."""
+def _check_all_ops(
+    x: torch.Tensor, bits: int, symmetric: bool, group_size: int = G, backend: str = "cpu"
+) -> None:
+    """Every op of the native library of ``backend`` ("cpu" or "cuda", run on that device)
+    against the reference run on the CPU, on the CPU tensor x and the same inputs."""
     kw = dict(bits=bits, group_size=group_size, symmetric=symmetric)
-    q = kernels.quantize(x, **kw, backend="cpu")
+    q = kernels.quantize(x.to(backend), **kw, backend=backend)
     assert_same_quantized(q, reference.quantize(x, **kw), "quantize")
     for out_dtype in DTYPES:
         assert_same_bits(
-            kernels.dequantize(q, out_dtype=out_dtype, backend="cpu"),
-            reference.dequantize(q, out_dtype=out_dtype),
+            kernels.dequantize(q, out_dtype=out_dtype, backend=backend),
+            reference.dequantize(quantized_on(q, "cpu"), out_dtype=out_dtype),
             f"dequantize to {out_dtype}",
         )
-    other = kernels.quantize(_random(x.numel(), x.dtype, 7), **kw, backend="cpu")
+    other = kernels.quantize(_random(x.numel(), x.dtype, 7).to(backend), **kw, backend=backend)
     # 3 inputs take the CPU library's fixed-count loop (int8), 5 its general one.
     for inputs in ([q, other, q], [other, q, q, other, q]):
+        on_cpu = [quantized_on(i, "cpu") for i in inputs]
         assert_same_quantized(
-            kernels.dequant_reduce_requant(inputs, backend="cpu"),
-            reference.dequant_reduce_requant(inputs),
+            kernels.dequant_reduce_requant(inputs, backend=backend),
+            reference.dequant_reduce_requant(on_cpu),
             f"dequant_reduce_requant of {len(inputs)}",
         )
         assert_same_bits(
-            kernels.dequant_reduce(inputs, out_dtype=x.dtype, backend="cpu"),
-            reference.dequant_reduce(inputs, out_dtype=x.dtype),
+            kernels.dequant_reduce(inputs, out_dtype=x.dtype, backend=backend),
+            reference.dequant_reduce(on_cpu, out_dtype=x.dtype),
             f"dequant_reduce of {len(inputs)}",
         )
     for nodes, per_node in [(2, 2), (3, 1), (1, 4)]:
         sw = dict(nodes=nodes, devices_per_node=per_node, **kw)
         assert_same_quantized(
-            kernels.swizzled_quantize(x, **sw, backend="cpu"),
+            kernels.swizzled_quantize(x.to(backend), **sw, backend=backend),
             reference.swizzled_quantize(x, **sw),
             f"swizzled_quantize {nodes}x{per_node}",
         )
@@ -261,10 +266,20 @@ def test_16bit_conversions_match_torch_exhaustively(dtype, copies):
     0 is the identity on its offset, so offsets carry arbitrary values through the kernels.
     Groups of one element run the scalar code of the CPU library, groups of 32 its vector lanes.
     """
+    _check_16bit_conversions(dtype, copies, backend="cpu")
+
+
+def _check_16bit_conversions(dtype: torch.dtype, copies: int, backend: str) -> None:
+    """The checks of test_16bit_conversions_match_torch_exhaustively for the library of
+    ``backend``, run on its device; torch's conversions on the CPU are the reference."""
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     finite = patterns[patterns.float().isfinite()]
     q = kernels.quantize(
-        finite.repeat_interleave(copies), bits=8, group_size=copies, symmetric=False, backend="cpu"
+        finite.repeat_interleave(copies).to(backend),
+        bits=8,
+        group_size=copies,
+        symmetric=False,
+        backend=backend,
     )
     assert_same_bits(q.offsets, finite.float() + 0.0, "widening")
 
@@ -284,7 +299,7 @@ def test_16bit_conversions_match_torch_exhaustively(dtype, copies):
         dtype=torch.float32,
     )
     assert_same_bits(
-        kernels.dequantize(q, out_dtype=dtype, backend="cpu"),
+        kernels.dequantize(quantized_on(q, backend), out_dtype=dtype, backend=backend),
         (values + 0.0).to(dtype).repeat_interleave(copies),
         "narrowing",
     )

@@ -9,7 +9,7 @@ from chunkmem.ledger import Ledger
 
 
 def test_allocation_beyond_capacity_names_bytes_and_what_to_change() -> None:
-    ledger = Ledger(device_capacity=1000, host_capacity=None)
+    ledger = Ledger({"device": 1000, "host": None})
     ledger.allocate("device", "param", 600, "a param chunk", "chunk 0")
     ledger.set_nonmodel(300)
     with pytest.raises(OutOfMemoryError, match=r"200 bytes needed, 100 available") as error:
@@ -22,17 +22,17 @@ def test_allocation_beyond_capacity_names_bytes_and_what_to_change() -> None:
 
 
 def test_moves_are_counted_per_iteration_and_direction() -> None:
-    ledger = Ledger(None, None)
+    ledger = Ledger({"device": None, "host": None})
     ledger.record_move(1, "param", "host", "device", 64, "fetch")
     ledger.iteration = 1
     ledger.record_move(1, "param", "device", "host", 64, "evict")
     ledger.record_move(2, "grad", "host", "device", 32, "fetch")
     assert ledger.bytes_moved(0) == 64
-    assert (ledger.bytes_to_device[1], ledger.bytes_to_host[1]) == (32, 64)
+    assert (ledger.bytes_into["device"][1], ledger.bytes_into["host"][1]) == (32, 64)
     assert [m.reason for m in ledger.moves] == ["fetch", "evict", "fetch"]
 
 
 def test_free_below_zero_is_a_bug_not_silence() -> None:
-    ledger = Ledger(None, None)
+    ledger = Ledger({"device": None, "host": None})
     with pytest.raises(AssertionError, match="underflow"):
         ledger.free("host", "param", 1, "chunk 0")

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from chunkmem.chunk import Tier
 from chunkmem.placement import plan_moment, rank_victims, simulate_traffic
 from chunkmem.tracer import Moment, Phase, Trace
 
-D = Tier.DEVICE
+D = True  # needed on the device
 
 
 def test_belady_evicts_the_farthest_next_use_and_lru_the_oldest() -> None:
@@ -28,7 +27,7 @@ def test_plan_keeps_budget_and_never_evicts_what_the_moment_needs() -> None:
 
 def test_plan_sends_host_requirements_first() -> None:
     sizes = {c: 10 for c in range(3)}
-    plan = plan_moment({0, 1}, {0: Tier.HOST, 2: D}, sizes.__getitem__, 20, lambda c: True, sorted)
+    plan = plan_moment({0, 1}, {0: False, 2: D}, sizes.__getitem__, 20, lambda c: True, sorted)
     assert plan.to_host == [0] and plan.to_device == [2]
 
 

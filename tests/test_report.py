@@ -116,7 +116,7 @@ def test_unknown_format_is_rejected_before_anything_is_written(run, tmp_path: Pa
     engine, _paths = run
     target = tmp_path / "report"
     with pytest.raises(ConfigError, match=r"'pdf'.*\['html', 'json', 'snapshot'\]"):
-        write_report(engine, target, ["json", "pdf"])
+        write_report(engine.run_summary(), engine.ledger, target, ["json", "pdf"])
     assert not target.exists()
 
 
@@ -131,7 +131,7 @@ def test_failed_write_keeps_the_previous_file_and_removes_its_temporary(
 
     monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(OSError, match="No space left"):
-        write_report(engine, tmp_path, ["json"])
+        write_report(engine.run_summary(), engine.ledger, tmp_path, ["json"])
     assert [p.name for p in tmp_path.iterdir()] == ["memory_trace.json"]
     assert (tmp_path / "memory_trace.json").read_text() == "previous report"
 
@@ -149,9 +149,9 @@ def test_json_moments_are_the_ledger_samples_and_stay_within_capacity(run, doc) 
             sample.index,
             sample.label,
         )
-        assert nonzero(moment["device"]["by_kind"]) == nonzero(sample.device_by_kind)
-        assert moment["device"]["nonmodel"] == sample.device_nonmodel
-        assert nonzero(moment["host"]["by_kind"]) == nonzero(sample.host_by_kind)
+        assert nonzero(moment["device"]["by_kind"]) == nonzero(sample.by_tier["device"])
+        assert moment["device"]["nonmodel"] == sample.nonmodel
+        assert nonzero(moment["host"]["by_kind"]) == nonzero(sample.by_tier["host"])
         assert device_total(moment["device"]["by_kind"], moment["device"]["nonmodel"]) <= capacity
         assert all(type(v) is int for v in moment["device"]["by_kind"].values())
     assert ODD_LABEL in {m["label"] for m in doc["moments"]}
@@ -166,13 +166,14 @@ def test_json_moves_add_up_to_the_ledger_bytes_moved_per_iteration(run, doc) -> 
     moved: Counter[int] = Counter()
     for move in doc["moves"]:
         moved[move["iteration"]] += move["nbytes"]
-    iterations = set(ledger.bytes_to_device) | set(ledger.bytes_to_host)
-    assert iterations == set(moved) == {0, 1, 2}
+    iterations = ledger.iterations_with_moves()
+    assert iterations == sorted(moved) == [0, 1, 2]
     for iteration in iterations:
         assert moved[iteration] == ledger.bytes_moved(iteration)
+    into = ledger.bytes_into
     assert doc["bytes_moved"] == [
-        {"iteration": i, "to_device": ledger.bytes_to_device[i], "to_host": ledger.bytes_to_host[i]}
-        for i in sorted(iterations)
+        {"iteration": i, "to_device": into["device"][i], "to_host": into["host"][i]}
+        for i in iterations
     ]
 
 
@@ -198,9 +199,9 @@ def test_json_summary_reports_the_engine_and_the_config_reloads(run, doc) -> Non
     assert 0 < summary["tiers"]["device"]["peak"] <= device.capacity
     assert summary["model_state_bytes"] == engine.model_state_bytes()
     assert summary["chunks"] == json.loads(json.dumps(engine.chunk_summary()))
-    layouts = engine.manager.trainable_layouts()
+    layouts = engine.params.trainable_layouts()
     assert sum(summary["optimizer_state_homes"].values()) == len(layouts)
-    padding = sum(layout.padding for layout in engine.manager.layouts)
+    padding = sum(layout.padding for layout in engine.params.layouts)
     assert summary["padding_bytes"] >= padding * 2  # at least the bf16 parameter chunks
     assert (summary["global_steps"], summary["iterations"], summary["precision"]) == (3, 3, "bf16")
     assert summary["tracer"]["cycles_recorded"] == engine.tracer.cycles_recorded >= 1
@@ -279,9 +280,9 @@ def test_replaying_the_snapshot_gives_the_ledger_device_bytes_at_every_moment(
     ]
     totals = replay(entries)
     for moment, sample in zip(moments, samples, strict=True):
-        expected = device_total(sample.device_by_kind, sample.device_nonmodel)
+        expected = device_total(sample.by_tier["device"], sample.nonmodel)
         assert totals[moment["trace_index"]] == expected, moment
-    assert any(s.device_nonmodel and sum(s.device_by_kind.values()) for s in samples)
+    assert any(s.nonmodel and sum(s.by_tier["device"].values()) for s in samples)
     assert totals[-1] == ledger.device.used
     assert sum(segment["allocated_size"] for segment in snapshot["segments"]) == totals[-1]
 
@@ -317,7 +318,7 @@ def test_snapshot_pickle_uses_only_what_memory_viz_js_can_unpickle(run, snapshot
 def test_moments_are_placed_exactly_when_labels_repeat_and_a_run_sums_to_zero() -> None:
     # Three samples labelled "a" in a row: placing sample 1 at the last position with its bytes
     # (after the zero-sum alloc/free of chunk 1) would leave no position for sample 2.
-    ledger = Ledger(device_capacity=1000, host_capacity=None)
+    ledger = Ledger({"device": 1000, "host": None})
     ledger.sample_moment(0, "fwd:a")
     ledger.allocate("device", "param", 10, "x", "chunk 0")
     ledger.sample_moment(1, "fwd:a")
@@ -335,7 +336,7 @@ def test_moments_are_placed_exactly_when_labels_repeat_and_a_run_sums_to_zero() 
 def test_snapshot_stops_at_the_last_moment_its_recorded_allocations_support() -> None:
     # The cap of 3 keeps samples m0..m2 and the allocations c0a, c0b, c1a: the state at m1 is
     # fully known, the one at m2 needs the dropped c1b, and m3 was never sampled.
-    ledger = Ledger(device_capacity=1000, host_capacity=None, max_move_events=3)
+    ledger = Ledger({"device": 1000, "host": None}, max_move_events=3)
     for index in range(4):
         ledger.sample_moment(index, f"fwd:m{index}")
         ledger.allocate("device", "param", 10, "x", f"chunk {index}a")
@@ -351,9 +352,11 @@ def test_memory_trace_of_an_engine_that_never_ran_is_valid(tmp_path: Path) -> No
     engine = chunkmem.initialize(
         GPT(SMALL), config={"device": {"type": "simulated", "capacity": 10**6}}
     )
-    doc = build_memory_trace(engine)
+    doc = build_memory_trace(engine.run_summary(), engine.ledger)
     assert (doc["moments"], doc["moves"], doc["bytes_moved"]) == ([], [], [])
     assert doc["summary"]["optimizer_state_homes"] is None
-    paths = write_report(engine, tmp_path, ["json", "html", "snapshot"])
+    paths = write_report(
+        engine.run_summary(), engine.ledger, tmp_path, ["json", "html", "snapshot"]
+    )
     assert "No moment was recorded" in paths["html"].read_text()
     assert pickle.loads(paths["snapshot"].read_bytes())["device_traces"] == [[]]

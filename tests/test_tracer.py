@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from chunkmem.chunk import Tier
 from chunkmem.tracer import Moment, Phase, Tracer
 
 F = Phase.FORWARD
@@ -13,7 +12,7 @@ def run_cycle(tracer: Tracer, signature, labels, nonmodel=0) -> list[bool]:
     replaying = []
     for i, label in enumerate(labels):
         tracer.on_moment(Moment(F, label), nonmodel)
-        tracer.on_access(i, Tier.DEVICE)
+        tracer.on_access(i, True)
         tracer.on_nonmodel(nonmodel + 10 * i)
         replaying.append(tracer.replaying)
     tracer.end_cycle()

@@ -53,15 +53,18 @@ def formula(stage: int, precision: str, elements: int, world: int) -> int:
     return (p + g + s) * elements // world
 
 
-def train_rank(comm, stage: int, precision: str, accumulation: int) -> dict:
-    """One rank: train STEPS steps on its slice; report state, bytes and volume."""
+def train_rank(
+    comm, stage: int, precision: str, accumulation: int, device: dict | None = None
+) -> dict:
+    """One rank: train STEPS steps on its slice; report state, bytes and volume. ``device`` is
+    the config's device section (default: a simulated device of 64 MiB)."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     engine = chunkmem.initialize(
         model,
         config={
             "precision": precision,
-            "device": {"type": "simulated", "capacity": "64MiB"},
+            "device": device or {"type": "simulated", "capacity": "64MiB"},
             "chunk": {"size": CHUNK},
             "optimizer": {"lr": LR},
             "gradient_accumulation_steps": accumulation,
@@ -75,11 +78,11 @@ def train_rank(comm, stage: int, precision: str, accumulation: int) -> dict:
     for index, row in enumerate(local):
         engine.backward(engine(row[:, :-1], row[:, 1:]))
         if index == measured_step * accumulation + accumulation - 1:  # end of backward
-            tiers = (engine.ledger.device.by_kind, engine.ledger.host.by_kind)
+            tiers = (engine.ledger.device.by_kind, engine.ledger.tiers["host"].by_kind)
             state_bytes = sum(n for tier in tiers for k, n in tier.items() if k in MODEL_KINDS)
         engine.step()
-    ledger = engine.manager.sharding.comm.ledger
-    layouts = engine.manager.trainable_layouts()
+    ledger = engine.states.sharding.comm.ledger
+    layouts = engine.params.trainable_layouts()
     return {
         "state": engine.state_dict(),
         "state_bytes": state_bytes,
@@ -92,20 +95,31 @@ def train_rank(comm, stage: int, precision: str, accumulation: int) -> dict:
     }
 
 
-def reference(world: int, precision: str, accumulation: int) -> dict[str, torch.Tensor]:
+def reference(
+    world: int, precision: str, accumulation: int, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Single-process training on the global batch with plain PyTorch on ``device``; the
+    masters on the CPU."""
     torch.manual_seed(0)
-    model = GPT(CONFIG)
-    rows = global_batches(world, STEPS * accumulation)
+    model = GPT(CONFIG).to(device)
+    rows = global_batches(world, STEPS * accumulation).to(device)
     batches = [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in rows]
     run = train_reference(
         copy.deepcopy(model), batches, precision=precision, lr=LR,
         gradient_accumulation_steps=accumulation,
     )  # fmt: skip
-    return run.masters
+    return {name: value.cpu() for name, value in run.masters.items()}
 
 
-def check(results: list[dict], stage: int, precision: str, world: int, accumulation: int) -> None:
-    expected = reference(world, precision, accumulation)
+def check(
+    results: list[dict],
+    stage: int,
+    precision: str,
+    world: int,
+    accumulation: int,
+    device: str = "cpu",
+) -> None:
+    expected = reference(world, precision, accumulation, device)
     for rank, result in enumerate(results):
         ours = {k: v for k, v in result["state"].items() if k in expected}
         assert max_relative_diff(ours, expected) <= TOLERANCE[precision], f"rank {rank}"
@@ -162,7 +176,7 @@ def whole_gradient_peak(comm, stage: int) -> tuple[int, int]:
     def tracking_allocate(tier: str, kind: str, *args) -> None:
         allocate(tier, kind, *args)
         if ledger.iteration >= 2:  # the first backward reduces only at its end
-            grads = ledger.device.by_kind["grad"] + ledger.host.by_kind["grad"]
+            grads = ledger.device.by_kind["grad"] + ledger.tiers["host"].by_kind["grad"]
             peak["grad"] = max(peak["grad"], grads)
 
     ledger.allocate = tracking_allocate
@@ -170,7 +184,7 @@ def whole_gradient_peak(comm, stage: int) -> tuple[int, int]:
     for row in rows:
         engine.backward(engine(row[:, :-1], row[:, 1:]))
         engine.step()
-    capacities = [layout.capacity for layout in engine.manager.trainable_layouts()]
+    capacities = [layout.capacity for layout in engine.params.trainable_layouts()]
     return peak["grad"], sum(capacities) * 4, max(capacities) * 4
 
 
@@ -180,7 +194,7 @@ def test_stage2_frees_whole_gradient_chunks_during_backward() -> None:
     """Stage 1 holds every whole gradient chunk until the step; stage 2 completes its
     reduce-scatters as backward goes, holding at most the ones in flight plus the ones being
     filled."""
-    from chunkmem.manager import MAX_REDUCTIONS_IN_FLIGHT
+    from zero.reduce import MAX_REDUCTIONS_IN_FLIGHT
 
     stage1_peak, all_grads, largest = run_ranks(whole_gradient_peak, 2, 1, timeout_s=20)[0]
     stage2_peak, _, _ = run_ranks(whole_gradient_peak, 2, 2, timeout_s=20)[0]

@@ -22,8 +22,10 @@ for some dtypes and not others is a trap. Averaging is the caller's division aft
 
 from __future__ import annotations
 
+import functools
 import pickle
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,9 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from chunkmem.errors import ChunkmemError
+from chunkmem.errors import CollectiveError
+from zero.identity import FIELDS, CollectiveIdentity, diagnose, mismatch_message
 from zero.process_group import Group, create_group, init_world
-from zero.ring import RingWork
+from zero.ring import HostStagedRing, RingWork
 
 __all__ = [
     "CollectiveError",
@@ -55,42 +58,6 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
-
-
-class CollectiveError(ChunkmemError, RuntimeError):
-    """A collective failed or timed out; names the operation, the group and the cause.
-
-    The group may be poisoned afterwards (see [Note: a failed collective is final]): stop.
-    """
-
-    def __init__(
-        self,
-        op: str,
-        group: str,
-        ranks: tuple[int, ...],
-        elapsed_s: float,
-        timeout_s: float,
-        cause: str,
-    ) -> None:
-        self.op = op
-        self.group = group
-        self.ranks = ranks
-        self.elapsed_s = elapsed_s
-        self.timeout_s = timeout_s
-        self.cause = cause
-        stop = "" if cause.endswith((".", "!", "?")) else "."
-        super().__init__(
-            f"{op} on group {group!r} (ranks {list(ranks)}) failed after {elapsed_s:.1f} s: "
-            f"{cause}{stop} A peer rank may have died or hung (the group's timeout is "
-            f"{timeout_s:g} s); the group may be unusable now, so stop training rather than "
-            "retry, and read the other ranks' logs for the first failure."
-        )
-
-    def __reduce__(self) -> tuple[type, tuple]:
-        # Keeps the attributes when the error crosses a process boundary (a test harness, a
-        # launcher collecting failures): the default pickling would pass only the message.
-        args = (self.op, self.group, self.ranks, self.elapsed_s, self.timeout_s, self.cause)
-        return type(self), args
 
 
 def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
@@ -120,52 +87,91 @@ class CollectiveRecord:
 
 @dataclass
 class CommLedger:
-    """Every collective a `Communicator` launched, in launch order, and sums over them.
+    """The collectives a `Communicator` launched: running totals, and bounded detail.
 
-    Records are kept until the caller clears ``records``; a long run reads a step's totals and
-    clears them, or memory grows with the number of collectives.
+    Totals per (op, group) cover the whole run; totals per tag (the step) are kept for the last
+    ``max_tags`` tags, and the records themselves for the last ``max_records`` collectives, so a
+    run of any length holds a fixed amount (``records_dropped`` counts what left the window).
     """
 
-    records: list[CollectiveRecord] = field(default_factory=list)
+    max_records: int = 10_000
+    max_tags: int = 64
+    records: deque[CollectiveRecord] = field(default_factory=deque)
+    records_dropped: int = 0
+    _totals: dict[tuple[str, str], list[int]] = field(default_factory=dict)
+    _by_tag: OrderedDict[int, dict[tuple[str, str], list[int]]] = field(default_factory=OrderedDict)
 
-    def _select(self, op: str | None, group: str | None, tag: int | None) -> list[CollectiveRecord]:
-        return [
-            r
-            for r in self.records
-            if (op is None or r.op == op)
-            and (group is None or r.group == group)
-            and (tag is None or r.tag == tag)
-        ]
+    def add(self, record: CollectiveRecord) -> None:
+        self.records.append(record)
+        if len(self.records) > self.max_records:
+            self.records.popleft()
+            self.records_dropped += 1
+        key = (record.op, record.group)
+        tag_totals = self._by_tag.get(record.tag)
+        if tag_totals is None:
+            tag_totals = self._by_tag[record.tag] = {}
+            while len(self._by_tag) > self.max_tags:
+                self._by_tag.popitem(last=False)
+        for totals in (self._totals, tag_totals):
+            row = totals.setdefault(key, [0, 0, 0])
+            row[0] += 1
+            row[1] += record.elements_sent
+            row[2] += record.bytes_sent
+
+    def _sum(self, column: int, op: str | None, group: str | None, tag: int | None) -> int:
+        if tag is None:
+            totals = self._totals
+        elif tag in self._by_tag:
+            totals = self._by_tag[tag]
+        elif self._by_tag and tag < next(iter(self._by_tag)):
+            raise KeyError(
+                f"tag {tag} left the ledger's window of the last {self.max_tags} tags; read a "
+                f"step's volume while it is recent, or raise CommLedger.max_tags"
+            )
+        else:
+            return 0
+        return sum(
+            row[column]
+            for (row_op, row_group), row in totals.items()
+            if (op is None or row_op == op) and (group is None or row_group == group)
+        )
 
     def elements_sent(
         self, *, op: str | None = None, group: str | None = None, tag: int | None = None
     ) -> int:
-        return sum(r.elements_sent for r in self._select(op, group, tag))
+        return self._sum(1, op, group, tag)
 
     def bytes_sent(
         self, *, op: str | None = None, group: str | None = None, tag: int | None = None
     ) -> int:
-        return sum(r.bytes_sent for r in self._select(op, group, tag))
+        return self._sum(2, op, group, tag)
 
     def totals(self) -> dict[tuple[str, str], dict[str, int]]:
-        """``(op, group) -> {"calls", "elements_sent", "bytes_sent"}`` over all records."""
-        out: dict[tuple[str, str], dict[str, int]] = {}
-        for r in self.records:
-            row = out.setdefault((r.op, r.group), {"calls": 0, "elements_sent": 0, "bytes_sent": 0})
-            row["calls"] += 1
-            row["elements_sent"] += r.elements_sent
-            row["bytes_sent"] += r.bytes_sent
-        return out
+        """``(op, group) -> {"calls", "elements_sent", "bytes_sent"}`` over the whole run."""
+        return {
+            key: {"calls": calls, "elements_sent": elements, "bytes_sent": nbytes}
+            for key, (calls, elements, nbytes) in self._totals.items()
+        }
 
 
 class Handle:
     """A launched collective: `wait` returns once it completed, or raises `CollectiveError`."""
 
-    def __init__(self, op: str, group: Group, work: dist.Work, launched_at: float) -> None:
+    def __init__(
+        self,
+        op: str,
+        group: Group,
+        work: dist.Work,
+        launched_at: float,
+        explain_timeout: Callable[[str], str] | None = None,
+        before_wait: Callable[[], None] | None = None,
+    ) -> None:
         self._op = op
         self._group = group
         self._work: dist.Work | None = work
         self._launched_at = launched_at
+        self._explain_timeout = explain_timeout  # asks the peers where they are
+        self._before_wait = before_wait  # the identity check of an NCCL collective
         self._error: CollectiveError | None = None
 
     def wait(self) -> None:
@@ -175,11 +181,21 @@ class Handle:
         if self._work is None:
             return
         work, self._work = self._work, None
+        if self._before_wait is not None:
+            check, self._before_wait = self._before_wait, None
+            try:
+                check()
+            except CollectiveError as error:
+                self._error = error
+                raise
         try:
             # torch's Work.wait(timeout) returns True or raises (a timeout included).
             work.wait(timeout=timedelta(seconds=self._group.timeout_s))
         except RuntimeError as cause:
-            self._error = _failure(self._op, self._group, self._launched_at, str(cause))
+            reason = str(cause)
+            if self._explain_timeout is not None:
+                reason = self._explain_timeout(reason)
+            self._error = _failure(self._op, self._group, self._launched_at, reason)
             raise self._error from cause
 
     def is_completed(self) -> bool:
@@ -191,20 +207,71 @@ class Communicator:
     """Runs collectives on the world group and named subgroups and records each in ``ledger``.
 
     ``tag`` is stamped on every record: set it to the step number, and
-    ``ledger.elements_sent(tag=step)`` gives that step's volume.
+    ``ledger.elements_sent(tag=step)`` gives that step's volume. ``cycle`` is the engine's
+    cycle number, part of every collective's identity (see ``zero.identity``).
     """
 
     def __init__(self, world: Group, ledger: CommLedger | None = None) -> None:
         self.world = world
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
+        self.cycle = 0
         self._groups = {world.name: world}
-        self._rings = 0
+        self._sequence: dict[str, int] = {}
+        # Its own gloo connections: a timed-out collective closes its group's connections to
+        # the peer, and the peers must still be asked where they are (``_explain``).
+        self._diagnosis = (
+            dist.new_group(
+                list(world.ranks), timeout=timedelta(seconds=world.timeout_s), backend="gloo"
+            )
+            if world.size > 1
+            else None
+        )
 
-    def _ring_tag(self) -> int:
-        """A message tag per ring collective; every rank issues rings in the same order."""
-        self._rings += 1
-        return self._rings
+    def _explain(self, identity: CollectiveIdentity, group: Group, cause: str) -> str:
+        """A timed-out wait: where every peer is, if they say (see ``zero.identity``)."""
+        if group.size == 1 or self._diagnosis is None:
+            return cause
+        me = group.ranks[group.rank]
+        answers = diagnose(identity, group.ranks, me, self._diagnosis, min(10.0, group.timeout_s))
+        return mismatch_message(identity, me, answers) or (
+            f"{cause} (every peer says it is at the same {identity.describe()})"
+        )
+
+    def _identity(
+        self, op: str, group: Group, numel: int, dtype: torch.dtype | None
+    ) -> CollectiveIdentity:
+        """The next collective's identity in ``group`` (every member numbers them alike)."""
+        seq = self._sequence.get(group.name, 0) + 1
+        self._sequence[group.name] = seq
+        return CollectiveIdentity(self.cycle, seq, op, numel, dtype)
+
+    def _start_agreement(self, identity: CollectiveIdentity, group: Group) -> Callable[[], None]:
+        """Launch the gather of every member's identity for a builtin collective; the returned
+        check waits for it and raises if any member is elsewhere. A fixed-size gather: a rank
+        in another collective can never make it abort on a size mismatch."""
+        device = _object_device(group)
+        mine = identity.encode().to(device)
+        everyone = torch.empty(group.size * FIELDS, dtype=torch.int64, device=device)
+        handle = self._launch(
+            identity.op,
+            group,
+            lambda: _ALL_GATHER(everyone, mine, group=group.process_group, async_op=True),
+            identity,
+        )
+
+        def check() -> None:
+            handle.wait()
+            rows = everyone.cpu().view(group.size, FIELDS)
+            theirs = {
+                global_rank: CollectiveIdentity.decode(rows[position])
+                for position, global_rank in enumerate(group.ranks)
+            }
+            problem = mismatch_message(identity, self.rank, theirs)
+            if problem is not None:
+                raise _failure(identity.op, group, time.monotonic(), problem)
+
+        return check
 
     @property
     def rank(self) -> int:
@@ -235,25 +302,19 @@ class Communicator:
         g = self._member("all_gather", group)
         _check_shard_and_full("all_gather", g, shard, full)
         numel = full.numel()
+        ring = _ring_for(full)
         return self._run(
             "all_gather",
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda: (
-                RingWork(
-                    full,
-                    shard,
-                    g.ranks,
-                    g.rank,
-                    g.process_group,
-                    reduce=False,
-                    tag=self._ring_tag(),
-                )
+            lambda tag: (
+                ring(full, shard, g.ranks, g.rank, g.process_group, reduce=False, tag=tag)
                 if _is_gloo(g)
                 else _ALL_GATHER(full, shard, group=g.process_group, async_op=True)
             ),
             async_op,
+            ring=_is_gloo(g),
         )
 
     def reduce_scatter(
@@ -263,21 +324,21 @@ class Communicator:
         g = self._member("reduce_scatter", group)
         _check_shard_and_full("reduce_scatter", g, shard, full)
         numel = full.numel()
+        ring = _ring_for(full)
         return self._run(
             "reduce_scatter",
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda: (
-                RingWork(
-                    full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=self._ring_tag()
-                )
+            lambda tag: (
+                ring(full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=tag)
                 if _is_gloo(g)
                 else _REDUCE_SCATTER(
                     shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True
                 )
             ),
             async_op,
+            ring=_is_gloo(g),
         )
 
     def all_reduce(
@@ -302,7 +363,7 @@ class Communicator:
             g,
             tensor,
             2 * numel * (g.size - 1) // g.size,
-            lambda: dist.all_reduce(
+            lambda _tag: dist.all_reduce(
                 tensor, op=_REDUCE_OPS[op], group=g.process_group, async_op=True
             ),
             async_op,
@@ -327,7 +388,9 @@ class Communicator:
             g,
             tensor,
             sent,
-            lambda: dist.broadcast(tensor, src=g.ranks[src], group=g.process_group, async_op=True),
+            lambda _tag: dist.broadcast(
+                tensor, src=g.ranks[src], group=g.process_group, async_op=True
+            ),
             async_op=False,
         )
 
@@ -340,6 +403,7 @@ class Communicator:
         """
         g = self._member("all_gather_object", group)
         device = _object_device(g)
+        self._start_agreement(self._identity("all_gather_object", g, 0, None), g)()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
         lengths = torch.empty(g.size, dtype=torch.int64, device=device)
@@ -369,9 +433,8 @@ class Communicator:
         """Return once every member reached the barrier (bounded by the group's timeout)."""
         g = self._member("barrier", group)
         self._record("barrier", g, 0, 0, None)
-        self._launch(
-            "barrier", g, lambda: dist.barrier(group=g.process_group, async_op=True)
-        ).wait()
+        # Every member at the same collective: that gather is the barrier.
+        self._start_agreement(self._identity("barrier", g, 0, None), g)()
 
     def _member(self, op: str, group: Group | None) -> Group:
         g = self.world if group is None else group
@@ -387,11 +450,23 @@ class Communicator:
         group: Group,
         tensor: Tensor,
         elements_sent: int,
-        start: Callable[[], dist.Work],
+        start: Callable[[int], dist.Work],
         async_op: bool,
+        ring: bool = False,
     ) -> Handle:
+        """Launch ``start(tag)`` as collective ``op`` with its identity (see ``zero.identity``):
+        a ring sends under the identity's tag; a builtin collective first checks that every
+        member is at the same collective (before launching on gloo, whose background work
+        would abort on a size mismatch; on the wait on NCCL, which keeps its launch order)."""
         self._record(op, group, tensor.numel(), elements_sent, tensor.dtype)
-        handle = self._launch(op, group, start)
+        identity = self._identity(op, group, tensor.numel(), tensor.dtype)
+        check = None
+        if not ring and group.size > 1:
+            check = self._start_agreement(identity, group)
+            if _is_gloo(group):
+                check()
+                check = None
+        handle = self._launch(op, group, lambda: start(identity.tag()), identity, check)
         if not async_op:
             handle.wait()
         return handle
@@ -400,7 +475,7 @@ class Communicator:
         self, op: str, group: Group, numel: int, elements_sent: int, dtype: torch.dtype | None
     ) -> None:
         itemsize = 0 if dtype is None else dtype.itemsize
-        self.ledger.records.append(
+        self.ledger.add(
             CollectiveRecord(
                 op=op,
                 group=group.name,
@@ -412,14 +487,23 @@ class Communicator:
             )
         )
 
-    @staticmethod
-    def _launch(op: str, group: Group, start: Callable[[], dist.Work]) -> Handle:
+    def _launch(
+        self,
+        op: str,
+        group: Group,
+        start: Callable[[], dist.Work],
+        identity: CollectiveIdentity | None = None,
+        before_wait: Callable[[], None] | None = None,
+    ) -> Handle:
         launched_at = time.monotonic()
         try:
             work = start()
         except RuntimeError as cause:
             raise _failure(op, group, launched_at, str(cause)) from cause
-        return Handle(op, group, work, launched_at)
+        explain = None
+        if identity is not None:
+            explain = functools.partial(self._explain, identity, group)
+        return Handle(op, group, work, launched_at, explain, before_wait)
 
 
 def padded_numel(numel: int, multiple: int) -> int:
@@ -482,6 +566,11 @@ def _check_shard_and_full(op: str, group: Group, shard: Tensor, full: Tensor) ->
 def _is_gloo(group: Group) -> bool:
     """gloo gathers and reduce-scatters run as a point-to-point ring (see ``zero.ring``)."""
     return dist.get_backend(group.process_group) == "gloo"
+
+
+def _ring_for(full: Tensor) -> type[RingWork] | type[HostStagedRing]:
+    """gloo's point-to-point messages need host memory: device tensors travel as host copies."""
+    return RingWork if full.device.type == "cpu" else HostStagedRing
 
 
 def _object_device(group: Group) -> torch.device:

@@ -7,6 +7,11 @@ ring is the bandwidth-optimal algorithm both collectives are defined by: n-1 ste
 sending one n-th of the buffer per step to its right neighbour, so the volume matches the
 ledger's ``numel * (n-1) / n`` exactly. NCCL keeps its native collectives.
 
+gloo's point-to-point messages read and write host memory through raw pointers (its send and
+recv do not stage device tensors, unlike its collectives), so rings over CUDA tensors run on
+host copies (`HostStagedRing`): the CUDA path is NCCL's, and gloo with CUDA tensors is for
+testing several ranks on one GPU.
+
 A launched ring issues its first step at once (with 2 ranks that is the whole exchange, so it
 overlaps with whatever the caller does next); further steps run in ``wait``. Each ring sends
 under its own tag: with several rings in flight, ranks may finish them in different orders,
@@ -110,3 +115,33 @@ class RingWork:
         if self._step >= self._steps:
             return True
         return self._step == self._steps - 1 and all(w.is_completed() for w in self._works)
+
+
+class HostStagedRing:
+    """A ring over host copies of device tensors: the input is copied to the host at launch
+    (after the work queued on the current stream), the result back to the device in ``wait``
+    (on the stream current there)."""
+
+    def __init__(
+        self,
+        full: torch.Tensor,
+        shard: torch.Tensor,
+        ranks: tuple[int, ...],
+        rank: int,
+        process_group: object,
+        reduce: bool,
+        tag: int,
+    ) -> None:
+        self._target = shard if reduce else full
+        host_full = full.cpu()
+        host_shard = torch.empty_like(shard, device="cpu") if reduce else shard.cpu()
+        self._result = host_shard if reduce else host_full
+        self._ring = RingWork(host_full, host_shard, ranks, rank, process_group, reduce, tag)
+
+    def wait(self, timeout: timedelta) -> bool:
+        self._ring.wait(timeout)
+        self._target.copy_(self._result)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._ring.is_completed()

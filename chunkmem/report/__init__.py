@@ -1,9 +1,11 @@
 """Memory-trace reports of a run: JSON document, offline HTML page, PyTorch memory snapshot.
 
-``engine.write_report(directory)`` calls :func:`write_report` with the formats from the
-config (``report.formats``). How to read each file is in ``docs/reports.md``.
+``engine.write_report(directory)`` calls :func:`write_report` with the engine's
+:class:`RunSummary`, its ledger and the formats from the config (``report.formats``). How to
+read each file is in ``docs/reports.md``. Nothing here imports the engine.
 """
 
+from chunkmem.report.summary import RunSummary
 from chunkmem.report.writer import FORMATS, write_report
 
-__all__ = ["FORMATS", "write_report"]
+__all__ = ["FORMATS", "RunSummary", "write_report"]

@@ -35,7 +35,7 @@ _COLORS = {
     NONMODEL: "#af7aa1",
 }
 _OTHER_COLORS = ("#9c755f", "#bab0ab", "#ff9da7")
-_DIRECTION_COLORS = {"to_device": "#4e79a7", "to_host": "#e15759"}
+_DIRECTION_COLORS = ("#4e79a7", "#e15759", "#59a14f", "#edc949")  # one per destination tier
 
 _STYLE = """
 body { font: 14px/1.45 system-ui, sans-serif; margin: 24px auto; max-width: 1000px; color: #222; }
@@ -64,8 +64,7 @@ def render_html(doc: dict[str, Any]) -> str:
         f"{len(doc['moments']):,} moments. Schema <code>{escape(doc['schema'])}</code>; the "
         "same numbers are in <code>memory_trace.json</code>.</p>",
         _summary_section(summary),
-        _tier_section(doc, "device"),
-        _tier_section(doc, "host"),
+        *(_tier_section(doc, tier) for tier in summary["tiers"]),
         _bytes_moved_section(doc),
         _moves_section(doc),
     ]
@@ -105,6 +104,7 @@ def _summary_section(summary: dict[str, Any]) -> str:
         ("optimizer steps", summary["global_steps"]),
         ("iterations", summary["iterations"]),
         ("loss scale", f"{summary['loss_scale']:g}"),
+        ("steps skipped (overflow or non-finite)", summary["skipped_steps"]),
         (
             "traces recorded / divergences",
             f"{summary['tracer']['cycles_recorded']} / {summary['tracer']['divergences']}",
@@ -184,10 +184,11 @@ def _tier_section(doc: dict[str, Any], tier: str) -> str:
     if not moments:
         return heading + '<p class="note">No moment was recorded (no forward ran).</p>'
 
+    compute = "nonmodel" in moments[0][tier]
     values = [_tier_values(moment, tier) for moment in moments]
     totals = [sum(v.values()) for v in values]
     points = _pick_points(totals, MAX_POINTS)
-    names = [*doc["kinds"], NONMODEL] if tier == "device" else doc["kinds"]
+    names = [*doc["kinds"], NONMODEL] if compute else doc["kinds"]
     layers = [
         Layer(name, _color(name, position), [values[i][name] for i in points])
         for position, name in enumerate(names)
@@ -206,7 +207,7 @@ def _tier_section(doc: dict[str, Any], tier: str) -> str:
     )
     what = (
         "chunk kind, plus non-model bytes (activations saved for backward, gradients in flight)"
-        if tier == "device"
+        if compute
         else "chunk kind"
     )
     intro = (
@@ -218,10 +219,10 @@ def _tier_section(doc: dict[str, Any], tier: str) -> str:
 
 
 def _tier_values(moment: dict[str, Any], tier: str) -> dict[str, int]:
-    """Bytes by kind on ``tier`` at a moment, plus non-model bytes on the device."""
+    """Bytes by kind on ``tier`` at a moment, plus non-model bytes on the compute tier."""
     values = dict(moment[tier]["by_kind"])
-    if tier == "device":
-        values[NONMODEL] = moment["device"]["nonmodel"]
+    if "nonmodel" in moment[tier]:
+        values[NONMODEL] = moment[tier]["nonmodel"]
     return values
 
 
@@ -260,13 +261,14 @@ def _bytes_moved_section(doc: dict[str, Any]) -> str:
     size = math.ceil(len(iterations) / MAX_BARS)
     groups = [iterations[start : start + size] for start in range(0, len(iterations), size)]
     labels = [str(g[0]) if len(g) == 1 else f"{g[0]}-{g[-1]}" for g in groups]
+    directions = [key for key in doc["bytes_moved"][0] if key.startswith("to_")]
     layers = [
         Layer(
             direction.replace("_", " "),
-            color,
+            _DIRECTION_COLORS[position % len(_DIRECTION_COLORS)],
             [sum(per_iteration.get(i, {}).get(direction, 0) for i in g) for g in groups],
         )
-        for direction, color in _DIRECTION_COLORS.items()
+        for position, direction in enumerate(directions)
     ]
     notes = []
     if size > 1:

@@ -1,6 +1,6 @@
 """The memory-trace document: the run's bytes as plain JSON data, schema ``chunkmem.memory_trace/1``.
 
-Every number comes from the ledger, the tracer, the manager or the config, so the JSON file
+Every number comes from the ledger or the run summary the engine fills in, so the JSON file
 and the HTML page (rendered from this same document) cannot disagree. Bytes are ints; the
 keys are described in ``docs/reports.md``. A change that renames or removes a key, or
 changes a meaning, bumps the version after the slash; adding a key does not.
@@ -8,38 +8,41 @@ changes a meaning, bumps the version after the slash; adding a key does not.
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict
+from typing import Any
 
-from chunkmem.chunk import ChunkKind, Tier
+from chunkmem.chunk import ChunkKind
 from chunkmem.ledger import WORKSPACE, Ledger
-
-if TYPE_CHECKING:
-    from chunkmem.engine import Engine
+from chunkmem.report.summary import RunSummary
 
 SCHEMA = "chunkmem.memory_trace/1"
 
-DIRECTIONS = {"device": "to_device", "host": "to_host"}  # destination tier -> direction
+
+def direction(tier: str) -> str:
+    """How moves into ``tier`` are labelled (``to_device``, ``to_host``, ``to_nvme``...)."""
+    return f"to_{tier}"
 
 
-def build_memory_trace(engine: Engine) -> dict[str, Any]:
-    """The whole document for ``engine``'s run so far."""
-    ledger = engine.ledger
+def build_memory_trace(summary: RunSummary, ledger: Ledger) -> dict[str, Any]:
+    """The whole document for a run so far."""
     kinds = kinds_seen(ledger)
+    compute = ledger.device.name
     return {
         "schema": SCHEMA,
         "kinds": kinds,
-        "summary": _summary(engine),
+        "summary": _summary(summary, ledger),
         "moments": [
             {
                 "iteration": sample.iteration,
                 "index": sample.index,
                 "label": sample.label,
-                "device": {
-                    "by_kind": {kind: sample.device_by_kind.get(kind, 0) for kind in kinds},
-                    "nonmodel": sample.device_nonmodel,
+                **{
+                    tier: {
+                        "by_kind": {kind: by_kind.get(kind, 0) for kind in kinds},
+                        **({"nonmodel": sample.nonmodel} if tier == compute else {}),
+                    }
+                    for tier, by_kind in sample.by_tier.items()
                 },
-                "host": {"by_kind": {kind: sample.host_by_kind.get(kind, 0) for kind in kinds}},
             }
             for sample in ledger.moment_samples
         ],
@@ -52,7 +55,7 @@ def build_memory_trace(engine: Engine) -> dict[str, Any]:
                 "kind": move.kind,
                 "src": move.src,
                 "dst": move.dst,
-                "direction": DIRECTIONS[move.dst],
+                "direction": direction(move.dst),
                 "nbytes": move.nbytes,
                 "reason": move.reason,
             }
@@ -65,12 +68,11 @@ def build_memory_trace(engine: Engine) -> dict[str, Any]:
         "bytes_moved": [
             {
                 "iteration": iteration,
-                "to_device": ledger.bytes_to_device[iteration],
-                "to_host": ledger.bytes_to_host[iteration],
+                **{direction(tier): into[iteration] for tier, into in ledger.bytes_into.items()},
             }
-            for iteration in sorted(set(ledger.bytes_to_device) | set(ledger.bytes_to_host))
+            for iteration in ledger.iterations_with_moves()
         ],
-        "config": engine.config.model_dump(mode="json"),
+        "config": summary.config,
     }
 
 
@@ -79,21 +81,23 @@ def kinds_seen(ledger: Ledger) -> list[str]:
     known = [kind.value for kind in ChunkKind] + [WORKSPACE]
     seen = {kind for tier in ledger.tiers.values() for kind in tier.by_kind}
     for sample in ledger.moment_samples:
-        seen.update(sample.device_by_kind)
-        seen.update(sample.host_by_kind)
+        for by_kind in sample.by_tier.values():
+            seen.update(by_kind)
     seen.update(move.kind for move in ledger.moves)
     return known + sorted(seen - set(known))
 
 
-def _summary(engine: Engine) -> dict[str, Any]:
-    ledger = engine.ledger
-    homes = engine.manager.optimizer_homes
+def _summary(summary: RunSummary, ledger: Ledger) -> dict[str, Any]:
+    run = asdict(summary)
+    del run["config"]
+    cycles, divergences = run.pop("cycles_recorded"), run.pop("divergences")
+    homes = run["optimizer_state_homes"]
+    if homes is not None:  # every tier listed, in the ledger's order
+        run["optimizer_state_homes"] = {tier: homes.get(tier, 0) for tier in ledger.tiers}
     return {
-        "device_kind": engine.manager.device.kind,
-        "precision": engine.config.precision,
-        "global_steps": engine.global_steps,
+        **run,
         "iterations": ledger.iteration,
-        "loss_scale": engine.loss_scale,
+        "tracer": {"cycles_recorded": cycles, "divergences": divergences},
         "tiers": {
             name: {
                 "capacity": account.capacity,
@@ -102,19 +106,5 @@ def _summary(engine: Engine) -> dict[str, Any]:
                 "used_now": account.used,
             }
             for name, account in ledger.tiers.items()
-        },
-        "model_state_bytes": engine.model_state_bytes(),
-        "chunks": engine.chunk_summary(),
-        "padding_bytes": sum(
-            chunk.layout.padding * chunk.dtype.itemsize for chunk in engine.manager.chunks.values()
-        ),
-        # None until the first optimizer step chooses where the states live.
-        "optimizer_state_homes": None
-        if homes is None
-        else {tier.value: Counter(homes.values())[tier] for tier in Tier},
-        "repaired_grad_slots": list(engine.manager.repaired_grad_slots),
-        "tracer": {
-            "cycles_recorded": engine.tracer.cycles_recorded,
-            "divergences": engine.tracer.divergences,
         },
     }

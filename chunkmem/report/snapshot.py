@@ -170,14 +170,14 @@ def build_snapshot(ledger: Ledger) -> dict[str, Any]:
     events = ledger.allocations
     positions = place_moments(events, ledger.moment_samples)
     samples = ledger.moment_samples[: len(positions)]
-    activation_sizes = [s.device_nonmodel for s in samples] + [ledger.device.nonmodel]
+    activation_sizes = [s.nonmodel for s in samples] + [ledger.device.nonmodel]
     trace = _DeviceTrace(_plan_regions(events, activation_sizes))
     moments = []
     next_sample = 0
     for position in range(len(events) + 1):
         while next_sample < len(samples) and positions[next_sample] == position:
             sample = samples[next_sample]
-            _set_activations(trace, sample.device_nonmodel, sample.label, sample.iteration)
+            _set_activations(trace, sample.nonmodel, sample.label, sample.iteration)
             moments.append(
                 {
                     "iteration": sample.iteration,

@@ -14,15 +14,14 @@ import secrets
 from collections.abc import Callable, Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from chunkmem.errors import ConfigError
+from chunkmem.ledger import Ledger
 from chunkmem.report.html_page import render_html
 from chunkmem.report.memory_trace import build_memory_trace
 from chunkmem.report.snapshot import build_snapshot
-
-if TYPE_CHECKING:
-    from chunkmem.engine import Engine
+from chunkmem.report.summary import RunSummary
 
 # MemoryViz.js (pytorch.org/memory_viz) unpickles protocols 2 to 4 only.
 _SNAPSHOT_PICKLE_PROTOCOL = 4
@@ -31,12 +30,13 @@ _SNAPSHOT_PICKLE_PROTOCOL = 4
 class _Sources:
     """What the formats are rendered from, each built at most once per call."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, summary: RunSummary, ledger: Ledger) -> None:
+        self.summary = summary
+        self.ledger = ledger
 
     @cached_property
     def memory_trace(self) -> dict[str, Any]:
-        return build_memory_trace(self.engine)
+        return build_memory_trace(self.summary, self.ledger)
 
 
 def _json_bytes(sources: _Sources) -> bytes:
@@ -48,7 +48,7 @@ def _html_bytes(sources: _Sources) -> bytes:
 
 
 def _snapshot_bytes(sources: _Sources) -> bytes:
-    snapshot = build_snapshot(sources.engine.ledger)
+    snapshot = build_snapshot(sources.ledger)
     return pickle.dumps(snapshot, protocol=_SNAPSHOT_PICKLE_PROTOCOL)
 
 
@@ -59,7 +59,9 @@ FORMATS: dict[str, tuple[str, Callable[[_Sources], bytes]]] = {
 }
 
 
-def write_report(engine: Engine, directory: Path, formats: Iterable[str]) -> dict[str, Path]:
+def write_report(
+    summary: RunSummary, ledger: Ledger, directory: Path, formats: Iterable[str]
+) -> dict[str, Path]:
     """Write each format in ``formats`` into ``directory`` (created if missing).
 
     Returns format -> path of the written file. Every format is checked before any file is
@@ -74,7 +76,7 @@ def write_report(engine: Engine, directory: Path, formats: Iterable[str]) -> dic
         )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    sources = _Sources(engine)
+    sources = _Sources(summary, ledger)
     written = {}
     for name in formats:
         filename, render = FORMATS[name]

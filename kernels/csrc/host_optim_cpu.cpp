@@ -1,0 +1,272 @@
+// CPU library of the chunkmem host optimizer: Adam/AdamW and SGD with momentum over lists of
+// flat buffers in one call, a plain C ABI over raw pointers loaded with ctypes by
+// kernels/host_optim.py. Per-element math: host_optim_math.h (scalar, the spec) and
+// host_optim_avx2.h (its lanes); docs/host_optim.md says what each path is bit-identical to.
+//
+// [Note: work split] Every tensor is cut into blocks of kBlock elements; the blocks of all
+// tensors of a call form one sequence and each OpenMP thread takes a contiguous run of it
+// (static split). An element's formulas depend only on its index in its tensor (body or the
+// last numel % 8), never on the block or the thread, so the result does not depend on the
+// thread count. One call over many small tensors (the pieces of a chunk) wakes the team once.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <new>
+#include <type_traits>
+#include <vector>
+
+#include "host_optim_avx2.h"
+#include "host_optim_math.h"
+
+namespace {
+
+using cmo::AdamScalars;
+using cmo::BF16;
+using cmo::F16;
+using cmo::F32;
+using cmo::NoOut;
+using cmo::SgdScalars;
+
+// A multiple of 8 (a block starts on a vector step of its tensor) and of 16 (64-byte lines of
+// fp32); 32K elements keep the per-block overhead negligible.
+constexpr int64_t kBlock = 1 << 15;
+// Below this many elements in a call the work runs on the calling thread.
+constexpr int64_t kParallelMinNumel = 1 << 16;
+// From this many elements in a call (112 MB of traffic, more than a last-level cache holds) the
+// 16-bit copy of the parameters is streamed to memory (host_optim_avx2.h, store_out8).
+constexpr int64_t kStreamMinNumel = 1 << 22;
+
+// Whether the lanes may stream the 16-bit copy starting at out.
+template <class O>
+bool may_stream(bool large_call, const typename O::Raw* out) {
+  return !std::is_same_v<O, NoOut> && large_call && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+}
+
+enum Status : int { kOk = 0, kBadArgument = 1, kOutOfMemory = 2 };
+
+// Runs fn(tensor, begin, end) over the blocks of `count` tensors (see the note above).
+template <class Fn>
+int for_blocks(const int64_t* numels, int count, int num_threads, Fn fn) {
+  std::vector<int64_t> first_block;
+  try {
+    first_block.resize(static_cast<size_t>(count) + 1);
+  } catch (const std::bad_alloc&) {
+    return kOutOfMemory;
+  }
+  int64_t total_numel = 0;
+  first_block[0] = 0;
+  for (int i = 0; i < count; ++i) {
+    if (numels[i] < 0) return kBadArgument;
+    total_numel += numels[i];
+    first_block[i + 1] = first_block[i] + (numels[i] + kBlock - 1) / kBlock;
+  }
+  const int64_t blocks = first_block[count];
+  const bool parallel = total_numel >= kParallelMinNumel && num_threads > 1;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+  {
+    const int64_t threads = omp_get_num_threads();
+    const int64_t t = omp_get_thread_num();
+    const int64_t lo = blocks * t / threads;
+    const int64_t hi = blocks * (t + 1) / threads;
+    int i = static_cast<int>(std::upper_bound(first_block.begin(), first_block.end(), lo) -
+                             first_block.begin()) - 1;
+    for (int64_t b = lo; b < hi; ++b) {
+      while (b >= first_block[i + 1]) ++i;
+      const int64_t begin = (b - first_block[i]) * kBlock;
+      fn(i, begin, std::min(begin + kBlock, numels[i]));
+    }
+  }
+  return kOk;
+}
+
+template <class T>
+inline float load(const typename T::Raw* p, int64_t i) {
+  return T::load(p[i]);
+}
+
+template <class T>
+inline void store(typename T::Raw* p, int64_t i, float x) {
+  p[i] = T::store(x);
+}
+
+// The gradient of element i divided by the scale (written back for fp32 gradients).
+template <class G>
+inline float scaled_grad(typename G::Raw* g, int64_t i, const float* grad_scale) {
+  float grad = load<G>(g, i);
+  if (grad_scale) {
+    grad = grad / *grad_scale;
+    if constexpr (std::is_same_v<G, F32>) g[i] = grad;
+  }
+  return grad;
+}
+
+// Elements [begin, end) of one tensor of `numel` elements.
+template <class G, class S, class O>
+void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end, float* p,
+                typename G::Raw* g, typename S::Raw* m, typename S::Raw* v,
+                typename O::Raw* out, const float* grad_scale, bool large_call) {
+  const auto element = [&](auto tail, int64_t i) {
+    const float grad = scaled_grad<G>(g, i, grad_scale);
+    float exp_avg = load<S>(m, i), exp_avg_sq = load<S>(v, i);
+    cmo::adam_element<decltype(tail)::value>(s, grad, p[i], exp_avg, exp_avg_sq);
+    store<S>(m, i, exp_avg);
+    store<S>(v, i, exp_avg_sq);
+    if constexpr (!std::is_same_v<O, NoOut>) store<O>(out, i, p[i]);
+  };
+  const int64_t body = std::min(end, cmo::body_end(numel));
+  int64_t i = begin;
+#if HOST_OPTIM_HAVE_AVX2
+  if (i < body) {
+    const int64_t n = body - i;
+    typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
+    if (may_stream<O>(large_call, o))
+      cmo::avx2::adam_lanes<G, S, O, true>(s, n, p + i, g + i, m + i, v + i, o, grad_scale);
+    else
+      cmo::avx2::adam_lanes<G, S, O, false>(s, n, p + i, g + i, m + i, v + i, o, grad_scale);
+    i = body;
+  }
+#endif
+  for (; i < body; ++i) element(std::false_type{}, i);
+  for (; i < end; ++i) element(std::true_type{}, i);
+}
+
+template <class G, class S, class O>
+void sgd_range(const SgdScalars& s, int64_t numel, int64_t begin, int64_t end, float* p,
+               typename G::Raw* g, typename S::Raw* buf, typename O::Raw* out,
+               const float* grad_scale, bool large_call) {
+  const auto element = [&](auto tail, int64_t i) {
+    const float grad = scaled_grad<G>(g, i, grad_scale);
+    float b = s.momentum_on && !s.first_step ? load<S>(buf, i) : 0.0f;
+    cmo::sgd_element<decltype(tail)::value>(s, grad, p[i], b);
+    if (s.momentum_on) store<S>(buf, i, b);
+    if constexpr (!std::is_same_v<O, NoOut>) store<O>(out, i, p[i]);
+  };
+  const int64_t body = std::min(end, cmo::body_end(numel));
+  int64_t i = begin;
+#if HOST_OPTIM_HAVE_AVX2
+  if (i < body) {
+    const int64_t n = body - i;
+    typename S::Raw* b = s.momentum_on ? buf + i : buf;
+    typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
+    if (may_stream<O>(large_call, o))
+      cmo::avx2::sgd_lanes<G, S, O, true>(s, n, p + i, g + i, b, o, grad_scale);
+    else
+      cmo::avx2::sgd_lanes<G, S, O, false>(s, n, p + i, g + i, b, o, grad_scale);
+    i = body;
+  }
+#endif
+  for (; i < body; ++i) element(std::false_type{}, i);
+  for (; i < end; ++i) element(std::true_type{}, i);
+}
+
+// Calls f(G{}, S{}, O{}) for the gradient, state and output types named by the dtype codes
+// (cmq::DType; out_dtype -1: no 16-bit copy). States are fp32 or bf16, copies bf16 or fp16.
+template <class F>
+int with_types(int grad_dtype, int state_dtype, int out_dtype, F&& f) {
+  const auto with_out = [&](auto grad, auto state) {
+    switch (out_dtype) {
+      case -1: return f(grad, state, NoOut{});
+      case cmq::kBFloat16: return f(grad, state, BF16{});
+      case cmq::kFloat16: return f(grad, state, F16{});
+      default: return static_cast<int>(kBadArgument);
+    }
+  };
+  const auto with_state = [&](auto grad) {
+    switch (state_dtype) {
+      case cmq::kFloat32: return with_out(grad, F32{});
+      case cmq::kBFloat16: return with_out(grad, BF16{});
+      default: return static_cast<int>(kBadArgument);
+    }
+  };
+  switch (grad_dtype) {
+    case cmq::kFloat32: return with_state(F32{});
+    case cmq::kBFloat16: return with_state(BF16{});
+    case cmq::kFloat16: return with_state(F16{});
+    default: return kBadArgument;
+  }
+}
+
+bool large_call(const int64_t* numels, int count) {
+  int64_t total = 0;
+  for (int i = 0; i < count; ++i) total += numels[i];
+  return total >= kStreamMinNumel;
+}
+
+template <class T>
+typename T::Raw* as(void* p) {
+  return static_cast<typename T::Raw*>(p);
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 when the AVX2 lanes are compiled in, 0 when the scalar functions run every element.
+int cmo_cpu_has_avx2() {
+#if HOST_OPTIM_HAVE_AVX2
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// One Adam (decoupled = 0) or AdamW (decoupled = 1) step over `count` tensors: params[i] fp32,
+// grads[i] of grad_dtype, exp_avgs[i] and exp_avg_sqs[i] of state_dtype, params_out[i] of
+// out_dtype (or ignored when out_dtype is -1), all of numels[i] elements; steps[i] points at
+// the tensor's step count (already incremented). grad_scale, when not null, points at the
+// number the gradients are divided by.
+int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
+                 void* const* exp_avg_sqs, void* const* params_out, const float* const* steps,
+                 const int64_t* numels, int count, int grad_dtype, int state_dtype, int out_dtype,
+                 double lr, double beta1, double beta2, double weight_decay, double eps,
+                 int decoupled, const float* grad_scale, int num_threads) {
+  if (count < 0 || num_threads < 1) return kBadArgument;
+  std::vector<AdamScalars> scalars;
+  try {
+    scalars.reserve(static_cast<size_t>(count));
+  } catch (const std::bad_alloc&) {
+    return kOutOfMemory;
+  }
+  for (int i = 0; i < count; ++i)
+    scalars.push_back(
+        cmo::adam_scalars(lr, beta1, beta2, weight_decay, eps, decoupled != 0, *steps[i]));
+  const bool large = large_call(numels, count);
+  return with_types(grad_dtype, state_dtype, out_dtype, [&](auto grad, auto state, auto out) {
+    using G = decltype(grad);
+    using S = decltype(state);
+    using O = decltype(out);
+    return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
+      adam_range<G, S, O>(scalars[i], numels[i], begin, end, static_cast<float*>(params[i]),
+                          as<G>(grads[i]), as<S>(exp_avgs[i]), as<S>(exp_avg_sqs[i]),
+                          std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale,
+                          large);
+    });
+  });
+}
+
+// One SGD step over `count` tensors; momentum_buffers is only read when momentum != 0, and
+// first_step makes each buffer start as its gradient (torch's is_first_step).
+int cmo_cpu_sgd(void* const* params, void* const* grads, void* const* momentum_buffers,
+                void* const* params_out, const int64_t* numels, int count, int grad_dtype,
+                int state_dtype, int out_dtype, double lr, double momentum, double dampening,
+                double weight_decay, int nesterov, int first_step, const float* grad_scale,
+                int num_threads) {
+  if (count < 0 || num_threads < 1) return kBadArgument;
+  const SgdScalars s =
+      cmo::sgd_scalars(lr, momentum, dampening, weight_decay, nesterov != 0, first_step != 0);
+  const bool large = large_call(numels, count);
+  return with_types(grad_dtype, state_dtype, out_dtype, [&](auto grad, auto state, auto out) {
+    using G = decltype(grad);
+    using S = decltype(state);
+    using O = decltype(out);
+    return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
+      sgd_range<G, S, O>(s, numels[i], begin, end, static_cast<float*>(params[i]),
+                         as<G>(grads[i]), s.momentum_on ? as<S>(momentum_buffers[i]) : nullptr,
+                         std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale,
+                         large);
+    });
+  });
+}
+
+}  // extern "C"

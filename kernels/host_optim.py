@@ -1,0 +1,406 @@
+"""Optimizer steps over host (CPU) buffers in a native library: Adam, AdamW and SGD with
+momentum, bit-identical to torch's fused CPU kernels, plus the mixed-precision step in one pass.
+
+The functions take the arguments of ``torch._fused_adamw_``, ``torch._fused_adam_`` and
+``torch._fused_sgd_``, so a caller can use them in place of those for tensors on the CPU, and
+three extensions:
+
+- ``grads`` may be bf16 or fp16 while ``params`` are fp32 masters: the gradient is widened
+  inside the kernel (no fp32 copy of it is made or written);
+- ``exp_avgs``/``exp_avg_sqs`` (or ``momentum_buffer_list``) may be bf16: states are widened,
+  updated in fp32 and rounded to nearest-even when stored;
+- ``params_out``: bf16 or fp16 tensors that receive the updated parameters, rounded to
+  nearest-even (as ``Tensor.copy_`` does), in the same pass.
+
+Exactness (docs/host_optim.md): with fp32 everything, the results are those of torch's fused
+kernel on x86-64 CPUs with AVX2 (what torch runs there, AVX-512 CPUs included). The extensions
+equal the torch composition they replace: widen the 16-bit inputs, run the fused fp32 kernel,
+copy the results to 16 bits. NaN payloads are unspecified.
+
+[Note: no fallback] If the native library cannot be built or loaded, every call raises
+:class:`kernels._build.BuildError` with the reason; nothing falls back silently. A caller that
+can run torch's kernel instead calls :func:`load_library` once and decides (and says so).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Sequence
+
+import torch
+
+from kernels._build import CSRC, BuildError, build, find_tool
+from kernels._native import CPU_FLAGS, DTYPE_CODES, _cpu_identity
+
+# -fno-math-errno lets sqrtf be one instruction (no errno branch); it changes no result.
+HOST_OPTIM_FLAGS = [*CPU_FLAGS, "-fno-math-errno"]
+
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+OUT_DTYPES = (torch.bfloat16, torch.float16)
+_NO_OUT = -1
+_STATUS = {1: "invalid argument", 2: "out of memory"}
+
+_ptrs, _numels_t = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
+_i32, _f64, _ptr = ctypes.c_int, ctypes.c_double, ctypes.c_void_p
+_SIGNATURES = {
+    # params, grads, exp_avgs, exp_avg_sqs, params_out, steps; numels; count, grad, state and out
+    # dtypes; lr, beta1, beta2, weight_decay, eps; decoupled, grad_scale, num_threads
+    "adam": [*[_ptrs] * 6, _numels_t, *[_i32] * 4, *[_f64] * 5, _i32, _ptr, _i32],
+    # params, grads, momentum_buffers, params_out; numels; count, grad, state and out dtypes; lr,
+    # momentum, dampening, weight_decay; nesterov, first_step, grad_scale, num_threads
+    "sgd": [*[_ptrs] * 4, _numels_t, *[_i32] * 4, *[_f64] * 4, _i32, _i32, _ptr, _i32],
+}
+
+
+class HostOptimLibrary:
+    """The loaded library (`cmo_cpu_*` functions of kernels/csrc/host_optim_cpu.cpp)."""
+
+    def __init__(self, lib: ctypes.CDLL, path) -> None:
+        self.path = path
+        self.has_avx2 = bool(lib.cmo_cpu_has_avx2())
+        self._fns = {}
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, "cmo_cpu_" + name)
+            fn.argtypes = argtypes
+            fn.restype = ctypes.c_int
+            self._fns[name] = fn
+
+    def call(self, name: str, *args) -> None:
+        status = self._fns[name](*args)
+        if status != 0:
+            raise RuntimeError(
+                f"{self.path.name}: {name} failed with status {status} "
+                f"({_STATUS.get(status, 'unknown')})"
+            )
+
+
+def load_library(extra_flags: Sequence[str] = ()) -> HostOptimLibrary:
+    """Build (on a cache miss) and load the library; BuildError says why it cannot.
+
+    `extra_flags` follow HOST_OPTIM_FLAGS; the tests pass `-mno-avx2` to build the scalar-only
+    library that CPUs without AVX2 get.
+    """
+    compiler = find_tool("CXX", "g++")
+    flags = [*HOST_OPTIM_FLAGS, *extra_flags]
+    path = build(
+        "chunkmem_host_optim", compiler, CSRC / "host_optim_cpu.cpp", flags, _cpu_identity()
+    )
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        raise BuildError(f"cannot load {path}: {e}") from e
+    return HostOptimLibrary(lib, path)
+
+
+_lock = threading.Lock()
+_libraries: dict[str, HostOptimLibrary | BuildError] = {}
+
+
+def _library() -> HostOptimLibrary:
+    """The process's library, loaded on first use; a failure is remembered and raised again."""
+    with _lock:
+        if "cpu" not in _libraries:
+            try:
+                _libraries["cpu"] = load_library()
+            except BuildError as e:
+                _libraries["cpu"] = e
+        lib = _libraries["cpu"]
+    if isinstance(lib, BuildError):
+        raise lib
+    return lib
+
+
+def fused_adamw_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor],
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    params_out: Sequence[torch.Tensor] | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """AdamW (decoupled weight decay) in place: ``torch._fused_adamw_`` on the host.
+
+    ``state_steps`` hold each tensor's step count, already incremented (the kernel reads
+    them). With ``grad_scale``, gradients are divided by it, and fp32 gradients are left
+    divided, as torch leaves them. If ``found_inf`` holds 1.0 nothing is touched. ``amsgrad``
+    and ``maximize`` are not supported (``max_exp_avg_sqs`` must be empty). ``num_threads``
+    defaults to ``torch.get_num_threads()``.
+    """
+    _adam(**locals(), decoupled=True)
+
+
+def fused_adam_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor],
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    params_out: Sequence[torch.Tensor] | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """Adam with L2 weight decay (added to the gradient) in place: ``torch._fused_adam_`` on
+    the host. Arguments as :func:`fused_adamw_`."""
+    _adam(**locals(), decoupled=False)
+
+
+def fused_sgd_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffer_list: Sequence[torch.Tensor],
+    *,
+    weight_decay: float,
+    momentum: float,
+    lr: float,
+    dampening: float,
+    nesterov: bool,
+    maximize: bool = False,
+    is_first_step: bool,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    params_out: Sequence[torch.Tensor] | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """SGD (momentum, dampening, Nesterov, weight decay) in place: ``torch._fused_sgd_`` on the
+    host, which is ``torch.optim.SGD(fused=True)``.
+
+    With ``momentum == 0`` the buffers are not used and ``momentum_buffer_list`` may be empty.
+    ``is_first_step`` makes each buffer start as its (decayed) gradient, whatever it held.
+    Other arguments as :func:`fused_adamw_`.
+    """
+    if maximize:
+        raise ValueError("maximize=True is not supported by the host optimizer; negate the loss")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"Nesterov momentum requires momentum > 0 and dampening 0, got momentum={momentum}, "
+            f"dampening={dampening} (as torch.optim.SGD)"
+        )
+    count = _check_params(params, grads, params_out)
+    buffers = list(momentum_buffer_list) if momentum != 0 else []
+    if momentum != 0:
+        _check_states("momentum_buffer_list", buffers, params)
+    threads = _threads(num_threads)
+    if _skipped(grad_scale, found_inf) or count == 0:
+        return
+    state_dtype = buffers[0].dtype if buffers else torch.float32
+    _library().call(
+        "sgd",
+        _addresses(params),
+        _addresses(grads),
+        _addresses(buffers) if buffers else None,
+        _addresses(params_out) if params_out else None,
+        _numels(params),
+        count,
+        DTYPE_CODES[grads[0].dtype],
+        DTYPE_CODES[state_dtype],
+        DTYPE_CODES[params_out[0].dtype] if params_out else _NO_OUT,
+        float(lr),
+        float(momentum),
+        float(dampening),
+        float(weight_decay),
+        int(nesterov),
+        int(is_first_step),
+        _scale_address(grad_scale),
+        threads,
+    )
+    _mark_modified(params, buffers, params_out, grads if grad_scale is not None else None)
+
+
+def _adam(
+    *,
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    max_exp_avg_sqs,
+    state_steps,
+    lr,
+    beta1,
+    beta2,
+    weight_decay,
+    eps,
+    amsgrad,
+    maximize,
+    grad_scale,
+    found_inf,
+    params_out,
+    num_threads,
+    decoupled: bool,
+) -> None:
+    if amsgrad or len(max_exp_avg_sqs):
+        raise ValueError("amsgrad is not supported by the host optimizer; use amsgrad=False")
+    if maximize:
+        raise ValueError("maximize=True is not supported by the host optimizer; negate the loss")
+    count = _check_params(params, grads, params_out)
+    _check_states("exp_avgs", exp_avgs, params)
+    _check_states("exp_avg_sqs", exp_avg_sqs, params)
+    if count and exp_avgs[0].dtype != exp_avg_sqs[0].dtype:
+        raise TypeError(
+            f"exp_avgs are {exp_avgs[0].dtype} but exp_avg_sqs are {exp_avg_sqs[0].dtype}; "
+            f"both states must have one dtype"
+        )
+    _check_steps(state_steps, count)
+    threads = _threads(num_threads)
+    if _skipped(grad_scale, found_inf) or count == 0:
+        return
+    _library().call(
+        "adam",
+        _addresses(params),
+        _addresses(grads),
+        _addresses(exp_avgs),
+        _addresses(exp_avg_sqs),
+        _addresses(params_out) if params_out else None,
+        _addresses(state_steps),
+        _numels(params),
+        count,
+        DTYPE_CODES[grads[0].dtype],
+        DTYPE_CODES[exp_avgs[0].dtype],
+        DTYPE_CODES[params_out[0].dtype] if params_out else _NO_OUT,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(weight_decay),
+        float(eps),
+        int(decoupled),
+        _scale_address(grad_scale),
+        threads,
+    )
+    _mark_modified(
+        params, [*exp_avgs, *exp_avg_sqs], params_out, grads if grad_scale is not None else None
+    )
+
+
+# ---- argument checks ----
+
+
+def _check_tensor(name: str, index: int, t: object, dtypes: Sequence[torch.dtype]) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}[{index}] is a {type(t).__name__}, not a tensor")
+    if t.device.type != "cpu":
+        raise ValueError(
+            f"{name}[{index}] is on {t.device}; the host optimizer runs on CPU tensors only "
+            f"(use torch's fused kernel for device tensors)"
+        )
+    if t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name}[{index}] has dtype {t.dtype}; expected one of {allowed}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name}[{index}] is not contiguous; pass a contiguous tensor or view")
+
+
+def _check_list(
+    name: str, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor], dtypes
+) -> None:
+    """Each tensor is on the CPU, contiguous, of one allowed dtype for the whole list, and has
+    the numel of its parameter."""
+    if len(tensors) != len(params):
+        raise ValueError(f"{name} has {len(tensors)} tensors but params has {len(params)}")
+    for i, (t, p) in enumerate(zip(tensors, params, strict=True)):
+        _check_tensor(name, i, t, dtypes)
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(
+                f"{name}[{i}] has dtype {t.dtype} but {name}[0] has {tensors[0].dtype}; one call "
+                f"takes one dtype per list"
+            )
+        if t.numel() != p.numel():
+            raise ValueError(
+                f"{name}[{i}] has {t.numel()} elements but params[{i}] has {p.numel()}"
+            )
+
+
+def _check_params(params, grads, params_out) -> int:
+    for i, p in enumerate(params):
+        _check_tensor("params", i, p, (torch.float32,))
+    _check_list("grads", grads, params, GRAD_DTYPES)
+    if params_out is not None and len(params_out):
+        _check_list("params_out", params_out, params, OUT_DTYPES)
+    return len(params)
+
+
+def _check_states(name: str, states: Sequence[torch.Tensor], params) -> None:
+    _check_list(name, states, params, STATE_DTYPES)
+
+
+def _check_scalar(name: str, t: object) -> None:
+    if (
+        not isinstance(t, torch.Tensor)
+        or t.device.type != "cpu"
+        or t.dtype != torch.float32
+        or t.numel() != 1
+    ):
+        what = (
+            f"{t.dtype} tensor of {t.numel()} elements on {t.device}"
+            if isinstance(t, torch.Tensor)
+            else type(t).__name__
+        )
+        raise TypeError(f"{name} must be a one-element float32 CPU tensor, got a {what}")
+
+
+def _check_steps(steps: Sequence[torch.Tensor], count: int) -> None:
+    if len(steps) != count:
+        raise ValueError(f"state_steps has {len(steps)} tensors but params has {count}")
+    for i, s in enumerate(steps):
+        _check_scalar(f"state_steps[{i}]", s)
+
+
+def _threads(num_threads: int | None) -> int:
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
+    return threads
+
+
+def _skipped(grad_scale, found_inf) -> bool:
+    """Whether torch's kernel would skip the step (found_inf == 1); checks both scalars."""
+    if grad_scale is not None:
+        _check_scalar("grad_scale", grad_scale)
+    if found_inf is None:
+        return False
+    _check_scalar("found_inf", found_inf)
+    return float(found_inf) == 1.0
+
+
+# ---- ctypes ----
+
+
+def _addresses(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+def _numels(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
+    return (ctypes.c_int64 * len(tensors))(*[t.numel() for t in tensors])
+
+
+def _scale_address(grad_scale: torch.Tensor | None) -> int | None:
+    return None if grad_scale is None else grad_scale.data_ptr()
+
+
+def _mark_modified(*lists) -> None:
+    """Bump the autograd version counters of what the kernel wrote, as torch's in-place ops do."""
+    for tensors in lists:
+        if tensors:
+            torch.autograd.graph.increment_version(list(tensors))

@@ -1,0 +1,249 @@
+"""ZeRO gradient reduction: each layout's gradient chunk reduce-scattered into this rank's shard.
+
+Stage 1 reduces every layout before the step; stages 2-3 reduce a layout as soon as all the
+gradients the previous cycle saw for it are in, overlapping backward, with at most
+``MAX_REDUCTIONS_IN_FLIGHT`` running and completed oldest first, so each whole gradient chunk is
+freed as backward goes. Every rank reduces the trainable layouts in one order (last packed
+first, the order backward finishes them), so collectives always match across ranks.
+
+A reduction in flight is a :class:`Reduction`: it owns the pins on its two chunks and its
+scratch buffer, and ``complete`` and ``cancel`` release them through one path, whatever
+waiting raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.params import ParamStore
+from chunkmem.residency import Residency
+from chunkmem.sharding import GradReducer, Sharding, Waitable
+
+# Reduce-scatters running at once during backward: enough to overlap the next layouts'
+# gradients with communication, few enough that whole gradient chunks are freed as backward
+# goes (each completed reduction keeps only this rank's shard).
+MAX_REDUCTIONS_IN_FLIGHT = 2
+
+ReduceScatter = Callable[[torch.Tensor, torch.Tensor, bool], Waitable]
+
+
+class Reduction:
+    """One launched reduce-scatter of a layout's gradient chunk, and what it holds."""
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        residency: Residency,
+        reduce_scatter: ReduceScatter,
+        adds_to_shard: bool,
+    ) -> None:
+        """Launch; both chunks are on the device. ``adds_to_shard``: the shard holds an
+        earlier reduction, and these (late) gradients are reduced apart and added to it."""
+        chunks = layout.chunks
+        self.layout = layout
+        self.grad: Chunk = chunks[ChunkKind.GRAD]
+        self.shard: Chunk = chunks[ChunkKind.GRAD_SHARD]
+        self._residency = residency
+        self._late: torch.Tensor | None = None
+        self.grad.pin()
+        self.shard.pin()
+        try:
+            if adds_to_shard:
+                self._late = residency.allocate_workspace(
+                    self.shard.numel, self.shard.dtype, residency.compute, set()
+                )
+            target = self.shard.payload if self._late is None else self._late
+            self._handle = reduce_scatter(self.grad.payload, target, True)
+        except BaseException:
+            self._release()
+            raise
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
+
+    def complete(self) -> None:
+        """Wait, fold late gradients in, and free the whole gradient chunk."""
+        try:
+            self._handle.wait()
+            if self._late is not None:
+                self.shard.payload.add_(self._late)
+        finally:
+            self._release()
+        self._residency.free_payload(self.grad)  # reduced: this rank keeps only its shard
+
+    def cancel(self) -> None:
+        """Wait for the collective (peers are in it too), then drop what it held."""
+        try:
+            self._handle.wait()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self.grad.unpin()
+        self.shard.unpin()
+        if self._late is not None:
+            late, self._late = self._late, None
+            self._residency.free_workspace(late, self._residency.compute)
+
+
+class ReduceScatterGrads(GradReducer):
+    """Reduce-scatter gradients into per-rank shards; ``overlap`` launches them in backward."""
+
+    def __init__(
+        self,
+        params: ParamStore,
+        residency: Residency,
+        sharding: Sharding,
+        reduce_scatter: ReduceScatter,
+        overlap: bool,
+    ) -> None:
+        self.params = params
+        self.residency = residency
+        self.sharding = sharding
+        self._reduce_scatter = reduce_scatter
+        self.overlap = overlap
+        self._final_micro_batch = True
+        self._stored: dict[int, set[int]] = {}  # layout -> slots that got a gradient
+        self._expected: dict[int, set[int]] = {}  # learned from the previous cycle
+        self._launched: set[int] = set()  # layouts reduced in this accumulation window
+        self._in_flight: dict[int, Reduction] = {}  # launch order
+
+    def grad_source(self, slot: TensorSlot) -> Chunk:
+        return slot.layout.chunks[ChunkKind.GRAD_SHARD]
+
+    def transient_kinds(self) -> frozenset[ChunkKind]:
+        return frozenset({ChunkKind.GRAD}) if self.overlap else frozenset()
+
+    def _order(self) -> list[ChunkLayout]:
+        return list(reversed(self.params.trainable_layouts()))
+
+    # ------------------------------------------------------------------ backward
+    def begin_backward(self, final_micro_batch: bool) -> None:
+        """Gradients are reduced only in the last micro-batch of an accumulation window."""
+        self._final_micro_batch = final_micro_batch
+        self._stored = {}
+
+    def before_write(self, layout: ChunkLayout) -> None:
+        """A late gradient: let the reduction read the chunk undisturbed, then a fresh one."""
+        if layout.index in self._in_flight:
+            self._complete(layout.index)
+
+    def stored(self, slot: TensorSlot) -> None:
+        """Launch reduce-scatters for the longest run, in reduction order, of layouts whose
+        expected gradients are all in (the overlap with backward)."""
+        if not (self.overlap and self._final_micro_batch):
+            return
+        self._stored.setdefault(slot.layout.index, set()).add(id(slot))
+        if not self._expected:
+            return  # the first cycle learns what to expect; it reduces after backward
+        for layout in self._order():
+            if layout.index in self._launched:
+                continue
+            expected = self._expected.get(layout.index, set())
+            if not expected <= self._stored.get(layout.index, set()):
+                return
+            self._launch(layout)
+            self._retire(keep=MAX_REDUCTIONS_IN_FLIGHT)
+
+    def finish_backward(self) -> None:
+        if self.overlap and self._final_micro_batch:
+            self._reduce_remaining()
+            self._expected = {index: set(stored) for index, stored in self._stored.items()}
+
+    def before_step(self) -> None:
+        if not self.overlap:
+            self._reduce_remaining()
+        self._sync_presence()
+
+    # ------------------------------------------------------------------ the window
+    def _launch(self, layout: ChunkLayout) -> None:
+        chunks = layout.chunks
+        grad = chunks[ChunkKind.GRAD]
+        shard = chunks.get(ChunkKind.GRAD_SHARD)
+        if shard is None:
+            span = self.sharding.shard(layout)
+            shard = self.residency.new_chunk(layout, ChunkKind.GRAD_SHARD, grad.dtype, None, span)
+        adds_to_shard = shard.tier is not None
+        self.residency.ensure_on_device([grad, shard])
+        _zero_unwritten(grad)
+        self._in_flight[layout.index] = Reduction(
+            layout, self.residency, self._reduce_scatter, adds_to_shard
+        )
+        for slot in layout.slots:
+            slot.grad_reduced = slot.grad_contributions
+        self._launched.add(layout.index)
+
+    def _complete(self, index: int) -> None:
+        self._in_flight.pop(index).complete()
+
+    def _retire(self, keep: int) -> None:
+        """Complete reductions in launch order while the oldest is done or more than ``keep``
+        are running (``keep=0``: wait for all).
+
+        Launch order is the same on every rank and only the oldest is ever waited for, so a
+        rank blocked here waits on a ring its peers have launched and will finish.
+        """
+        while self._in_flight:
+            index, oldest = next(iter(self._in_flight.items()))
+            if len(self._in_flight) <= keep and not oldest.is_completed():
+                return
+            self._complete(index)
+
+    def _reduce_remaining(self) -> None:
+        """Reduce every trainable layout not reduced yet, in reduction order, then wait.
+
+        All of them, with gradients or not, on every rank: a rank that skipped a layout its
+        peers reduce would leave them waiting. Gradients that arrived after their layout was
+        reduced are reduced again and added.
+        """
+        for layout in self._order():
+            grad = layout.chunks.get(ChunkKind.GRAD)
+            launched, in_flight = layout.index in self._launched, layout.index in self._in_flight
+            late = launched and not in_flight and grad is not None and grad.tier is not None
+            if not launched or late:
+                if grad is None:
+                    self.residency.new_chunk(
+                        layout, ChunkKind.GRAD, self.params.compute_dtype, None
+                    )
+                self._launch(layout)
+        self._retire(keep=0)
+
+    def _sync_presence(self) -> None:
+        """A parameter has a gradient if any rank produced one (as on the global batch)."""
+        slots = list(self.params.slots.values())
+        present = torch.tensor([float(s.has_grad) for s in slots], dtype=torch.float32)
+        self.sharding.all_reduce_sum(present)
+        for slot, count in zip(slots, present.tolist(), strict=True):
+            if count and not slot.grad_contributions:
+                slot.grad_contributions = 1  # its shard holds the other ranks' gradients
+
+    # ------------------------------------------------------------------ endings
+    def cancel(self) -> None:
+        """Wait for every reduction in flight, oldest first, and release each one's pins;
+        the first error is raised after all are released."""
+        error: BaseException | None = None
+        while self._in_flight:
+            reduction = self._in_flight.pop(next(iter(self._in_flight)))
+            try:
+                reduction.cancel()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest
+                error = error or exc
+        self._launched.clear()
+        if error is not None:
+            raise error
+
+    def clear(self) -> None:
+        self._launched.clear()
+
+
+def _zero_unwritten(grad: Chunk) -> None:
+    """Gradient chunks are allocated without zeroing: before they are summed across ranks,
+    zero the slots no gradient wrote since the last reduction, and the padding."""
+    layout = grad.layout
+    for slot in layout.slots:
+        if slot.grad_contributions == slot.grad_reduced:
+            grad.span(slot, 0, slot.numel).zero_()
+    grad.payload[layout.used :].zero_()
