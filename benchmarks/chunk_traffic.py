@@ -87,7 +87,7 @@ class Run:
         """
         engine, trace = self.engine, self.trace
         static = engine.residency.static_device_bytes()  # no workspace between steps
-        workspace = _workspace_peaks(engine.ledger, self.iteration, len(trace))
+        workspace, _ = _per_moment(engine.ledger, self.iteration, len(trace))
         room = [self.capacity - static - w for w in workspace]
         in_use = [r - peak for r, peak in zip(room, trace.nonmodel_peak, strict=True)]
         after = [r - peak for r, peak in zip(room, trace.nonmodel_after_release, strict=True)]
@@ -153,10 +153,6 @@ class Run:
         in_use, _ = self.budgets()
         result = simulate_traffic(self.trace, sizes, in_use, policy)
         return result.bytes_moved - self.streamed
-
-
-def _workspace_peaks(ledger, iteration: int, moments: int) -> list[int]:
-    return _per_moment(ledger, iteration, moments)[0]
 
 
 def _per_moment(ledger, iteration: int, moments: int) -> tuple[list[int], list[int]]:
