@@ -57,6 +57,9 @@ class Run:
                 "precision": precision,
                 "device": {"type": "simulated", "capacity": self.capacity},
                 "placement": {"policy": policy},
+                # The budgets are read from the allocation events of the last iteration:
+                # keep them all (five iterations of a small model).
+                "report": {"max_move_events": 1_000_000},
             },
         )
         for x, y in batches:
