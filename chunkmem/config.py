@@ -13,7 +13,14 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from chunkmem.errors import ConfigError
 
@@ -68,6 +75,73 @@ class OptimizerConfig(_Section):
     weight_decay: float = Field(
         0.01, ge=0, description="L2 penalty (adam) or decoupled decay (adamw)."
     )
+
+
+_SCHEDULE_KEYS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "WarmupDecayLR": (
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "total_num_steps",
+    ),
+    "WarmupCosineLR": (
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "cos_min_ratio",
+        "warmup_type",
+        "total_num_steps",
+    ),
+}
+
+
+class SchedulerConfig(_Section):
+    """Learning-rate schedule, as DeepSpeed defines it, stepped after every update taken."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] | None = Field(
+        None,
+        description="null: the learning rate stays (or follows a scheduler passed to "
+        "initialize). WarmupLR: warm up, then constant. WarmupDecayLR: then linear decay to 0 "
+        "at total_num_steps. WarmupCosineLR: then a cosine to cos_min_ratio times the rate.",
+    )
+    warmup_min_lr: float = Field(0.0, ge=0, description="WarmupLR/WarmupDecayLR: first rate.")
+    warmup_max_lr: float | None = Field(
+        None,
+        gt=0,
+        description="WarmupLR/WarmupDecayLR: rate at the end of warm-up; null: optimizer.lr "
+        "(or the torch optimizer's first group).",
+    )
+    warmup_num_steps: int = Field(1000, ge=1, description="Updates the warm-up takes.")
+    warmup_type: Literal["log", "linear"] = Field(
+        "log", description="log: the rate rises as log(step + 1) / log(warmup_num_steps)."
+    )
+    total_num_steps: int | None = Field(
+        None, ge=1, description="WarmupDecayLR/WarmupCosineLR (required): where decay ends."
+    )
+    warmup_min_ratio: float = Field(
+        0.0, ge=0, le=1, description="WarmupCosineLR: first rate as a fraction of the rate."
+    )
+    cos_min_ratio: float = Field(
+        0.0001, ge=0, le=1, description="WarmupCosineLR: final rate as a fraction of the rate."
+    )
+
+    @model_validator(mode="after")
+    def _keys_fit_the_type(self) -> SchedulerConfig:
+        used = _SCHEDULE_KEYS.get(self.type, ()) if self.type else ()
+        for key in sorted(self.model_fields_set - {"type", *used}):
+            owners = [name for name, keys in _SCHEDULE_KEYS.items() if key in keys]
+            raise ValueError(
+                f"scheduler.{key} is a setting of {' and '.join(owners)}, not of "
+                f"scheduler.type {self.type!r}"
+            )
+        if self.type in ("WarmupDecayLR", "WarmupCosineLR") and self.total_num_steps is None:
+            raise ValueError(f"scheduler.type {self.type!r} needs scheduler.total_num_steps")
+        return self
+
+    def schedule_params(self) -> dict[str, Any]:
+        """The keyword arguments of the schedule ``type`` names."""
+        return {key: getattr(self, key) for key in _SCHEDULE_KEYS[self.type]} if self.type else {}
 
 
 class LossScaleConfig(_Section):
@@ -217,6 +291,7 @@ class Config(_Section):
         "report.",
     )
     optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     loss_scale: LossScaleConfig = LossScaleConfig()
     device: DeviceConfig = DeviceConfig()
     host: HostConfig = HostConfig()

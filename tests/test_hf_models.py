@@ -1,0 +1,251 @@
+"""Hugging Face models through ``chunkmem.initialize``, built from small configs (no weights are
+downloaded): they train bit for bit like plain PyTorch, evaluate and generate.
+
+GPT-2 trains on a simulated device of half its model-state bytes with activation
+checkpointing; Llama's RMSNorm reads its input twice beside the residual, which the engine's
+hooks must not reorder (docs/architecture.md, exactness); T5's decoder reads the encoder
+output in every layer; BERT ties its decoder to the word embeddings.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import chunkmem
+from chunkmem.chunk import ChunkKind
+from tests.reference import train_reference
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+STEPS = 10
+STATE_BYTES_PER_PARAM = {"fp32": 16, "bf16": 14}
+OPTIMIZER_KINDS = {ChunkKind.MASTER.value, ChunkKind.EXP_AVG.value, ChunkKind.EXP_AVG_SQ.value}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Small models on a shared 2-core machine: one thread is 10-50x faster than several
+    fighting over the cores (the reference and the engine run alike either way)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def gpt2(checkpointing: bool = False) -> torch.nn.Module:
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    if checkpointing:
+        with warnings.catch_warnings():  # transformers 5 renamed it; the old name still works
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable()
+    return model.train()
+
+
+def llama() -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=1, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def batches(count: int = STEPS, batch: int = 2, seq: int = 16, seed: int = 1) -> list[tuple]:
+    """(input_ids, attention_mask, labels): the first row is left-padded by 3 tokens, whose
+    labels are -100, so the attention mask matters."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(2, VOCAB, (batch, seq), generator=generator)
+        mask = torch.ones(batch, seq, dtype=torch.long)
+        ids[0, :3] = 1
+        mask[0, :3] = 0
+        out.append((ids, mask, ids.masked_fill(mask == 0, -100)))
+    return out
+
+
+def causal_lm_loss(model, ids, mask, labels) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def state_bytes(model: torch.nn.Module, precision: str) -> int:
+    return STATE_BYTES_PER_PARAM[precision] * sum(p.numel() for p in model.parameters())
+
+
+def train(engine, data, loss_fn=causal_lm_loss) -> list[float]:
+    losses = []
+    for batch in data:
+        loss = loss_fn(engine, *batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def assert_bit_identical(engine, reference) -> None:
+    state = engine.state_dict()
+    differ = [
+        name for name, value in reference.masters.items() if not torch.equal(state[name], value)
+    ]
+    assert differ == [], f"{len(differ)} of {len(reference.masters)} tensors differ: {differ[:5]}"
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_gpt2_on_half_its_state_bytes_with_checkpointing_matches_torch_bit_for_bit(
+    precision: str,
+) -> None:
+    model = gpt2(checkpointing=True)
+    capacity = state_bytes(model, precision) // 2
+    data = batches()
+    reference = train_reference(model, data, precision=precision, loss_fn=causal_lm_loss)
+    engine = chunkmem.initialize(
+        copy.deepcopy(model),
+        config={"precision": precision, "device": {"type": "simulated", "capacity": capacity}},
+    )
+    losses = train(engine, data)
+    assert engine.ledger.device.peak <= capacity
+    assert engine.ledger.bytes_moved(STEPS - 1) > 0, "the model must not fit: chunks must move"
+    assert losses == reference.losses
+    assert_bit_identical(engine, reference)
+    # Tied embeddings stay one tensor: the LM head reads the trained word embeddings.
+    assert engine.module.lm_head.weight is engine.module.transformer.wte.weight
+
+
+def test_llama_matches_torch_bit_for_bit_in_fp32() -> None:
+    """RMSNorm reads its input twice and the residual a third time; with a hook node on the
+    block's inputs, autograd summed those in another order (6.7e-5 off in 10 steps)."""
+    model = llama()
+    data = batches()
+    reference = train_reference(model, data, loss_fn=causal_lm_loss)
+    engine = chunkmem.initialize(
+        copy.deepcopy(model),
+        config={"device": {"type": "simulated", "capacity": state_bytes(model, "fp32") // 2}},
+    )
+    assert train(engine, data) == reference.losses
+    assert_bit_identical(engine, reference)
+
+
+def test_llama_trains_in_bf16() -> None:
+    model = llama()
+    data = batches(count=1) * STEPS  # one batch again and again: the loss must fall
+    reference = train_reference(model, data, precision="bf16", loss_fn=causal_lm_loss)
+    engine = chunkmem.initialize(
+        copy.deepcopy(model),
+        config={
+            "precision": "bf16",
+            "device": {"type": "simulated", "capacity": state_bytes(model, "bf16") // 2},
+        },
+    )
+    losses = train(engine, data)
+    assert losses[-1] < 0.9 * losses[0]
+    assert losses == reference.losses
+    assert_bit_identical(engine, reference)
+
+
+def test_bert_masked_lm_with_tied_decoder_matches_torch_bit_for_bit() -> None:
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=128, max_position_embeddings=32,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(config).train()
+    data = batches(count=4)
+    reference = train_reference(model, data, loss_fn=causal_lm_loss)
+    engine = chunkmem.initialize(
+        copy.deepcopy(model),
+        config={"device": {"type": "simulated", "capacity": state_bytes(model, "fp32") // 2}},
+    )
+    assert train(engine, data) == reference.losses
+    assert_bit_identical(engine, reference)
+    assert (
+        engine.module.cls.predictions.decoder.weight
+        is engine.module.bert.embeddings.word_embeddings.weight
+    )
+
+
+def seq2seq_loss(model, ids, mask, labels) -> torch.Tensor:
+    return model(input_ids=ids, attention_mask=mask, labels=labels.roll(1, dims=1)).loss
+
+
+def test_t5_whose_decoder_reads_the_encoder_output_in_every_layer_matches_torch() -> None:
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=1, pad_token_id=1, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).train()
+    data = batches(count=4)
+    reference = train_reference(model, data, loss_fn=seq2seq_loss)
+    engine = chunkmem.initialize(
+        copy.deepcopy(model),
+        config={
+            "device": {"type": "simulated", "capacity": state_bytes(model, "fp32") // 2},
+            "placement": {"unit_elements": 1},  # the cross-attention is a unit of its own
+        },
+    )
+    assert train(engine, data, seq2seq_loss) == reference.losses
+    assert_bit_identical(engine, reference)
+
+
+def test_generate_after_training_equals_the_plain_model_and_records_one_trace() -> None:
+    """``engine.module.generate`` runs every decoding step as an evaluation cycle: one trace
+    for all sequence lengths, no gradients, no optimizer state moved; and the same tokens as
+    the plain model holding the trained weights."""
+    model = gpt2()
+    engine = chunkmem.initialize(
+        copy.deepcopy(model),
+        config={"device": {"type": "simulated", "capacity": state_bytes(model, "fp32") // 2}},
+    )
+    data = batches(count=3)
+    train(engine, data)
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(engine.state_dict())
+    plain.eval()
+    engine.eval()
+    assert not engine.training and not engine.module.training
+    prompt, mask, _ = data[0]
+    recorded, moves = engine.tracer.cycles_recorded, len(engine.ledger.moves)
+    ours = engine.module.generate(
+        input_ids=prompt, attention_mask=mask, max_new_tokens=8, do_sample=False
+    )
+    expected = plain.generate(
+        input_ids=prompt, attention_mask=mask, max_new_tokens=8, do_sample=False
+    )
+    assert torch.equal(ours, expected)
+    assert engine.tracer.cycles_recorded - recorded == 1, "one evaluation trace for all 8 steps"
+    assert {m.kind for m in engine.ledger.moves[moves:]} & OPTIMIZER_KINDS == set()
+    with torch.no_grad():
+        logits = engine(input_ids=prompt, attention_mask=mask).logits
+    assert torch.equal(logits, plain(input_ids=prompt, attention_mask=mask).logits)
+    assert engine.train() is engine and engine.module.training
+    train(engine, data[:1])  # training goes on after evaluation
+    assert engine.global_steps == 4
+
+
+def test_no_grad_forward_in_the_middle_of_a_training_cycle_is_refused() -> None:
+    engine = chunkmem.initialize(
+        gpt2(), config={"device": {"type": "simulated", "capacity": "64MiB"}}
+    )
+    ids, mask, labels = batches(count=1)[0]
+    engine(input_ids=ids, attention_mask=mask, labels=labels)
+    with (
+        torch.no_grad(),
+        pytest.raises(chunkmem.EngineUsageError, match="middle of a training cycle"),
+    ):
+        engine.module.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    engine.discard()
+    with torch.no_grad():
+        engine.module(input_ids=ids)  # fine once the cycle is dropped
