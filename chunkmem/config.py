@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -304,10 +305,14 @@ class Config(_Section):
     def from_dict(cls, data: dict[str, Any]) -> Config:
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a dict (JSON object), got {type(data).__name__}")
+        if _is_deepspeed_config(data):
+            from chunkmem.deepspeed_config import from_deepspeed
+
+            return from_deepspeed(data)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from None
+            raise ConfigError(describe_validation_error(exc)) from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
@@ -354,7 +359,16 @@ def _section_at(location: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _describe(exc: ValidationError) -> str:
+def _is_deepspeed_config(data: dict[str, Any]) -> bool:
+    from chunkmem.deepspeed_config import is_deepspeed_config
+
+    return is_deepspeed_config(data)
+
+
+def describe_validation_error(
+    exc: ValidationError, name: Callable[[str], str] = lambda key: f"config key {key!r}"
+) -> str:
+    """One line per error, naming the key (as ``name`` spells it), the value and the reason."""
     lines = []
     for error in exc.errors():
         location = tuple(error["loc"])
@@ -364,10 +378,10 @@ def _describe(exc: ValidationError) -> str:
             valid = sorted(section.model_fields) if section else []
             close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            lines.append(f"unknown config key {key!r}: {hint}valid keys here are {valid}")
+            lines.append(f"unknown {name(key)}: {hint}valid keys here are {valid}")
         else:
             value = error.get("input")
             lines.append(
-                f"config key {key!r}: {error['msg']} (got {value!r} of type {type(value).__name__})"
+                f"{name(key)}: {error['msg']} (got {value!r} of type {type(value).__name__})"
             )
     return "invalid chunkmem config:\n  " + "\n  ".join(lines)
