@@ -45,31 +45,42 @@ def train(engine, data, loss_fn=causal_lm_loss) -> list[float]:
     return losses
 
 
-def assert_bit_identical(engine, reference) -> None:
+def train_both(
+    model: torch.nn.Module,
+    data: list[tuple],
+    precision: str = "fp32",
+    loss_fn=causal_lm_loss,
+    **config,
+) -> tuple[chunkmem.Engine, list[float]]:
+    """Train ``model`` with plain torch and through the engine on a simulated device of half
+    its model-state bytes; assert the two agree bit for bit. Returns the engine and losses."""
+    reference = train_reference(model, data, precision=precision, loss_fn=loss_fn)
+    capacity = state_bytes(model, precision) // 2
+    engine = chunkmem.initialize(
+        copy.deepcopy(model),
+        config={
+            "precision": precision,
+            "device": {"type": "simulated", "capacity": capacity},
+            **config,
+        },
+    )
+    losses = train(engine, data, loss_fn)
+    assert engine.ledger.device.peak <= capacity
+    assert losses == reference.losses
     state = engine.state_dict()
     differ = [
         name for name, value in reference.masters.items() if not torch.equal(state[name], value)
     ]
     assert differ == [], f"{len(differ)} of {len(reference.masters)} tensors differ: {differ[:5]}"
+    return engine, losses
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_gpt2_on_half_its_state_bytes_with_checkpointing_matches_torch_bit_for_bit(
     precision: str,
 ) -> None:
-    model = gpt2(checkpointing=True)
-    capacity = state_bytes(model, precision) // 2
-    data = batches()
-    reference = train_reference(model, data, precision=precision, loss_fn=causal_lm_loss)
-    engine = chunkmem.initialize(
-        copy.deepcopy(model),
-        config={"precision": precision, "device": {"type": "simulated", "capacity": capacity}},
-    )
-    losses = train(engine, data)
-    assert engine.ledger.device.peak <= capacity
+    engine, _ = train_both(gpt2(checkpointing=True), batches(), precision)
     assert engine.ledger.bytes_moved(STEPS - 1) > 0, "the model must not fit: chunks must move"
-    assert losses == reference.losses
-    assert_bit_identical(engine, reference)
     # Tied embeddings stay one tensor: the LM head reads the trained word embeddings.
     assert engine.module.lm_head.weight is engine.module.transformer.wte.weight
 
@@ -77,32 +88,13 @@ def test_gpt2_on_half_its_state_bytes_with_checkpointing_matches_torch_bit_for_b
 def test_llama_matches_torch_bit_for_bit_in_fp32() -> None:
     """RMSNorm reads its input twice and the residual a third time; with a hook node on the
     block's inputs, autograd summed those in another order (6.7e-5 off in 10 steps)."""
-    model = llama()
-    data = batches()
-    reference = train_reference(model, data, loss_fn=causal_lm_loss)
-    engine = chunkmem.initialize(
-        copy.deepcopy(model),
-        config={"device": {"type": "simulated", "capacity": state_bytes(model, "fp32") // 2}},
-    )
-    assert train(engine, data) == reference.losses
-    assert_bit_identical(engine, reference)
+    train_both(llama(), batches())
 
 
 def test_llama_trains_in_bf16() -> None:
-    model = llama()
     data = batches(count=1) * STEPS  # one batch again and again: the loss must fall
-    reference = train_reference(model, data, precision="bf16", loss_fn=causal_lm_loss)
-    engine = chunkmem.initialize(
-        copy.deepcopy(model),
-        config={
-            "precision": "bf16",
-            "device": {"type": "simulated", "capacity": state_bytes(model, "bf16") // 2},
-        },
-    )
-    losses = train(engine, data)
+    _, losses = train_both(llama(), data, "bf16")
     assert losses[-1] < 0.9 * losses[0]
-    assert losses == reference.losses
-    assert_bit_identical(engine, reference)
 
 
 def test_bert_masked_lm_with_tied_decoder_matches_torch_bit_for_bit() -> None:
@@ -112,15 +104,7 @@ def test_bert_masked_lm_with_tied_decoder_matches_torch_bit_for_bit() -> None:
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
     )  # fmt: skip
     torch.manual_seed(0)
-    model = transformers.BertForMaskedLM(config).train()
-    data = batches(count=4)
-    reference = train_reference(model, data, loss_fn=causal_lm_loss)
-    engine = chunkmem.initialize(
-        copy.deepcopy(model),
-        config={"device": {"type": "simulated", "capacity": state_bytes(model, "fp32") // 2}},
-    )
-    assert train(engine, data) == reference.losses
-    assert_bit_identical(engine, reference)
+    engine, _ = train_both(transformers.BertForMaskedLM(config).train(), batches(count=4))
     assert (
         engine.module.cls.predictions.decoder.weight
         is engine.module.bert.embeddings.word_embeddings.weight
@@ -138,17 +122,8 @@ def test_t5_whose_decoder_reads_the_encoder_output_in_every_layer_matches_torch(
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.T5ForConditionalGeneration(config).train()
-    data = batches(count=4)
-    reference = train_reference(model, data, loss_fn=seq2seq_loss)
-    engine = chunkmem.initialize(
-        copy.deepcopy(model),
-        config={
-            "device": {"type": "simulated", "capacity": state_bytes(model, "fp32") // 2},
-            "placement": {"unit_elements": 1},  # the cross-attention is a unit of its own
-        },
-    )
-    assert train(engine, data, seq2seq_loss) == reference.losses
-    assert_bit_identical(engine, reference)
+    # unit_elements 1: the cross-attention is a hooked unit of its own
+    train_both(model, batches(count=4), loss_fn=seq2seq_loss, placement={"unit_elements": 1})
 
 
 def test_generate_after_training_equals_the_plain_model_and_records_one_trace() -> None:
