@@ -205,9 +205,9 @@ class Engine:
         self._abandon_interrupted_eval_cycle()
         if self.phase is EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
-                "forward called again before backward; call engine.backward(loss) first, "
-                "engine.discard() to drop that batch, or run evaluation forwards under "
-                "torch.no_grad()"
+                "forward called again before backward; call engine.backward(loss) first, or "
+                "engine.discard() to drop that batch (an evaluation forward under no grad "
+                "waits for the training cycle to end too)"
             )
         if self.phase is EnginePhase.BACKWARD_DONE:
             raise EngineUsageError(

@@ -25,14 +25,7 @@ STEPS = 10
 OPTIMIZER_KINDS = {ChunkKind.MASTER.value, ChunkKind.EXP_AVG.value, ChunkKind.EXP_AVG_SQ.value}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Small models on a shared 2-core machine: one thread is 10-50x faster than several
-    fighting over the cores (the reference and the engine run alike either way)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def train(engine, data, loss_fn=causal_lm_loss) -> list[float]:
