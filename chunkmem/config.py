@@ -131,7 +131,10 @@ class SchedulerConfig(_Section):
     @model_validator(mode="after")
     def _keys_fit_the_type(self) -> SchedulerConfig:
         used = _SCHEDULE_KEYS.get(self.type, ()) if self.type else ()
+        # A key of another schedule may be present at its default (a dumped config reloads).
         for key in sorted(self.model_fields_set - {"type", *used}):
+            if getattr(self, key) == type(self).model_fields[key].default:
+                continue
             owners = [name for name, keys in _SCHEDULE_KEYS.items() if key in keys]
             raise ValueError(
                 f"scheduler.{key} is a setting of {' and '.join(owners)}, not of "

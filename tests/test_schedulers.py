@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import chunkmem
+from chunkmem.config import Config
 from chunkmem.errors import ConfigError
 from chunkmem.models.gpt import GPT, GPTConfig
 from chunkmem.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
@@ -169,3 +170,9 @@ def test_scheduler_errors_name_what_is_wrong() -> None:
             model, config={**config, "scheduler": {"type": "WarmupLR", "cos_min_ratio": 0.1}}
         )
     chunkmem.initialize(model, optimizer, config=config)  # the model was left untouched
+
+
+def test_a_dumped_scheduler_config_reloads() -> None:
+    config = Config.from_dict({"scheduler": {"type": "WarmupDecayLR", "total_num_steps": 9}})
+    assert Config.from_dict(config.model_dump(mode="json")) == config
+    assert Config.from_dict(Config().model_dump(mode="json")) == Config()
