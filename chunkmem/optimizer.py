@@ -73,7 +73,10 @@ def native_host_optimizer() -> ModuleType | None:
 def groups_from_torch_optimizer(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[list[dict[str, Any]], list[list[torch.nn.Parameter]], bool]:
-    """Hyper-parameter groups, their parameters and whether decay is decoupled (AdamW)."""
+    """Hyper-parameter groups, their parameters and whether decay is decoupled (AdamW).
+
+    The groups are the optimizer's own dicts, so an LR scheduler built on ``optimizer`` sets
+    the learning rate the chunked update reads."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise ConfigError(
             f"chunkmem runs Adam/AdamW on its chunks; got {type(optimizer).__name__}. Pass a "
@@ -95,15 +98,14 @@ def groups_from_torch_optimizer(
                     f"optimizer param group {index} sets {flag}=True, which chunkmem does not "
                     f"support; set it to False"
                 )
-        lr = group["lr"]
-        groups.append(
-            {
-                "lr": float(lr),
-                "betas": tuple(float(b) for b in group["betas"]),
-                "eps": float(group["eps"]),
-                "weight_decay": float(group["weight_decay"]),
-            }
-        )
+        for key in ("betas", "eps", "weight_decay"):
+            values = group[key] if key == "betas" else (group[key],)
+            if any(isinstance(v, torch.Tensor) for v in values):
+                raise ConfigError(
+                    f"optimizer param group {index} holds {key} as a tensor; chunkmem reads "
+                    f"{key} as a number (a tensor learning rate is fine)"
+                )
+        groups.append(group)
         params.append(list(group["params"]))
     return groups, params, decoupled
 
