@@ -12,11 +12,11 @@ def _deterministic() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def one_thread():
-    """One intra-op thread for the test: small models on a shared 2-core machine run 10-50x
+    """One intra-op thread for every test: small models on a shared 2-core machine run 10-50x
     faster than with threads fighting over the cores (results do not depend on it: the engine
-    and its reference run alike). Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    and its reference run alike; tests of thread-count independence set their own)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
