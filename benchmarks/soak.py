@@ -8,9 +8,9 @@ sampled (after ``gc.collect()``) every ``interval`` steps; the growth after warm
 sample minus the one at the end of warm-up. ZeRO-2 runs the same loop on 2 gloo ranks (each
 rank its own slice) and reports the larger growth of the two.
 
-Full: 10,000 steps, warm-up 1,000, a sample every 500. --quick: 1,000 steps of a smaller GPT
-(2 x 64, batch 1 x 16; same engine paths), warm-up 200, a sample every 100: a few minutes
-rather than one, since a leak must show over many steps.
+Full: 10,000 steps, warm-up 1,000, a sample every 500. --quick: 1,000 steps, warm-up 500 (by
+then the report's event lists are full), a sample every 100: a few minutes rather than one,
+since a leak must show over many steps.
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ from chunkmem.demo import batches, stdlib_text
 from chunkmem.models.gpt import GPT, GPTConfig
 
 DEVICE_FRACTION = 0.4
-FULL = {
-    "model": GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=128, checkpoint=True),
-    "batch": 2, "steps": 10_000, "warmup": 1_000, "interval": 500,
-}  # fmt: skip
-QUICK = {
-    "model": GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=1, n_embd=64, checkpoint=True),
-    "batch": 1, "steps": 1_000, "warmup": 200, "interval": 100,
-}  # fmt: skip
+DEMO_MODEL = GPTConfig(
+    vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=128, checkpoint=True
+)
+FULL = {"model": DEMO_MODEL, "batch": 2, "steps": 10_000, "warmup": 1_000, "interval": 500}
+# --quick: the report's event lists (20,000 each) fill by step ~450 of this model, so growth is
+# read after step 500.
+QUICK = {"model": DEMO_MODEL, "batch": 2, "steps": 1_000, "warmup": 500, "interval": 100}
 
 
 def rss_bytes() -> int:
