@@ -15,6 +15,15 @@ waiting rank. NCCL's wait with a timeout blocks the host until the collective co
 watchdog aborts it at the timeout); overlap comes from launching with ``async_op=True`` early
 and waiting late, not from a non-blocking wait.
 
+[Note: intra-node and cross-node bytes]
+With a `Topology` set (``zero.topology``; ZeRO sets it at initialize), every record also says
+how many of its bytes go to ranks on another node, under the same algorithm model as
+``elements_sent``: a ring collective (all_gather, reduce_scatter, all_reduce, the object gather)
+sends everything to the next rank of the group, so it is cross-node exactly on the ranks whose
+right neighbour sits on another node; a broadcast root sends to its right neighbour too; an
+all_to_all sends one block to every other member. ``phase`` (forward, backward, step) is stamped
+like ``tag``, so a step's cross-node bytes can be read per operation and phase.
+
 [Note: only sum, max and min]
 gloo cannot average integer tensors (the int8/uint8 AVG cast fails), and an average that works
 for some dtypes and not others is a trap. Averaging is the caller's division after a sum.
@@ -22,9 +31,10 @@ for some dtypes and not others is a trap. Averaging is the caller's division aft
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -34,7 +44,8 @@ from torch import Tensor
 
 from chunkmem.errors import CollectiveError
 from zero.process_group import Group, create_group, init_world
-from zero.ring import HostStagedRing, RingWork
+from zero.ring import AllToAllWork, HostStagedRing, RingWork
+from zero.topology import Topology
 
 __all__ = [
     "CollectiveError",
@@ -55,6 +66,11 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
+# All-to-all messages are tagged per group (see ``all_to_all``), in a range of their own so
+# that they never match a ring's message between the same pair: buffer i of the group's k-th
+# all-to-all goes under _ALL_TO_ALL_TAGS + 8 * (k mod 2^20) + i.
+_ALL_TO_ALL_TAGS = 1 << 24
+_ALL_TO_ALL_BUFFERS = 8
 
 
 def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
@@ -69,8 +85,10 @@ class CollectiveRecord:
 
     ``elements_sent`` is theory, not a measurement: all_gather and reduce_scatter send
     ``numel * (n - 1) / n`` per rank, all_reduce ``2 * numel * (n - 1) / n`` (rounded down when
-    ``numel`` is not a multiple of ``n``), broadcast ``numel`` from the root and 0 elsewhere.
-    A group of one sends nothing. A barrier records 0 elements and dtype ``""``.
+    ``numel`` is not a multiple of ``n``), broadcast ``numel`` from the root and 0 elsewhere,
+    all_to_all ``numel * (n - 1) / n``. A group of one sends nothing. A barrier records 0
+    elements and dtype ``""``. ``cross_node_bytes`` is the part of ``bytes_sent`` that goes to
+    ranks on another node (see the note on intra-node and cross-node bytes).
     """
 
     op: str
@@ -80,6 +98,12 @@ class CollectiveRecord:
     bytes_sent: int
     dtype: str
     tag: int
+    cross_node_bytes: int = 0
+    phase: str = ""
+
+    @property
+    def intra_node_bytes(self) -> int:
+        return self.bytes_sent - self.cross_node_bytes
 
 
 @dataclass
@@ -92,13 +116,16 @@ class CommLedger:
 
     records: list[CollectiveRecord] = field(default_factory=list)
 
-    def _select(self, op: str | None, group: str | None, tag: int | None) -> list[CollectiveRecord]:
+    def _select(
+        self, op: str | None, group: str | None, tag: int | None, phase: str | None = None
+    ) -> list[CollectiveRecord]:
         return [
             r
             for r in self.records
             if (op is None or r.op == op)
             and (group is None or r.group == group)
             and (tag is None or r.tag == tag)
+            and (phase is None or r.phase == phase)
         ]
 
     def elements_sent(
@@ -111,6 +138,28 @@ class CommLedger:
     ) -> int:
         return sum(r.bytes_sent for r in self._select(op, group, tag))
 
+    def cross_node_bytes(
+        self,
+        *,
+        op: str | None = None,
+        group: str | None = None,
+        tag: int | None = None,
+        phase: str | None = None,
+    ) -> int:
+        """Bytes this rank sent to ranks on other nodes."""
+        return sum(r.cross_node_bytes for r in self._select(op, group, tag, phase))
+
+    def intra_node_bytes(
+        self,
+        *,
+        op: str | None = None,
+        group: str | None = None,
+        tag: int | None = None,
+        phase: str | None = None,
+    ) -> int:
+        """Bytes this rank sent to ranks on its own node."""
+        return sum(r.intra_node_bytes for r in self._select(op, group, tag, phase))
+
     def totals(self) -> dict[tuple[str, str], dict[str, int]]:
         """``(op, group) -> {"calls", "elements_sent", "bytes_sent"}`` over all records."""
         out: dict[tuple[str, str], dict[str, int]] = {}
@@ -119,6 +168,18 @@ class CommLedger:
             row["calls"] += 1
             row["elements_sent"] += r.elements_sent
             row["bytes_sent"] += r.bytes_sent
+        return out
+
+    def by_phase(self, tag: int | None = None) -> dict[tuple[str, str], dict[str, int]]:
+        """``(op, phase) -> {"calls", "intra_node_bytes", "cross_node_bytes"}``."""
+        out: dict[tuple[str, str], dict[str, int]] = {}
+        for r in self._select(None, None, tag):
+            row = out.setdefault(
+                (r.op, r.phase), {"calls": 0, "intra_node_bytes": 0, "cross_node_bytes": 0}
+            )
+            row["calls"] += 1
+            row["intra_node_bytes"] += r.intra_node_bytes
+            row["cross_node_bytes"] += r.cross_node_bytes
         return out
 
 
@@ -155,15 +216,29 @@ class Communicator:
     """Runs collectives on the world group and named subgroups and records each in ``ledger``.
 
     ``tag`` is stamped on every record: set it to the step number, and
-    ``ledger.elements_sent(tag=step)`` gives that step's volume.
+    ``ledger.elements_sent(tag=step)`` gives that step's volume. ``phase`` is stamped too (set
+    it for a block with ``serving``). ``topology`` says which ranks share a node (None: all of
+    them), which splits every record's bytes into intra-node and cross-node.
     """
 
     def __init__(self, world: Group, ledger: CommLedger | None = None) -> None:
         self.world = world
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
+        self.phase = ""
+        self.topology: Topology | None = None
         self._groups = {world.name: world}
         self._rings = 0
+        self._all_to_alls: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def serving(self, phase: str) -> Iterator[None]:
+        """Record the collectives launched in the block under ``phase``."""
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
 
     def _ring_tag(self) -> int:
         """A message tag per ring collective; every rank issues rings in the same order."""
@@ -295,6 +370,68 @@ class Communicator:
             async_op=False,
         )
 
+    def all_to_all(
+        self,
+        send: Sequence[Tensor],
+        received: Sequence[Tensor],
+        *,
+        group: Group | None = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Equal-split all-to-all of several flat buffers at once (e.g. quantized data and its
+        scales, as uint8 views): each ``send[i]`` is cut into ``size`` equal blocks; block
+        ``j`` goes to group rank ``j``, which stores the block it gets from group rank ``k`` as
+        block ``k`` of ``received[i]``. All buffers share one dtype; ``received[i]`` has the
+        numel of ``send[i]``.
+
+        Runs as point-to-point messages on gloo (like the rings) and as
+        ``all_to_all_single`` per buffer on NCCL. Messages are tagged by the group's own count
+        of all-to-alls, so only the order of all-to-alls within each group must agree across
+        its members: a rank may launch one in ``wait`` of an earlier collective.
+        """
+        g = self._member("all_to_all", group)
+        send, received = list(send), list(received)
+        if not send or len(send) != len(received):
+            raise ValueError(
+                f"all_to_all: send and received must be non-empty lists of one length, got "
+                f"{len(send)} and {len(received)} buffers"
+            )
+        for index, (out, into) in enumerate(zip(send, received, strict=True)):
+            _check_flat("all_to_all", f"send[{index}]", out, g)
+            _check_flat("all_to_all", f"received[{index}]", into, g)
+            if out.dtype != send[0].dtype or into.dtype != out.dtype:
+                raise TypeError(
+                    f"all_to_all: every buffer must have dtype {send[0].dtype}, got send[{index}] "
+                    f"{out.dtype} and received[{index}] {into.dtype}"
+                )
+            if out.numel() != into.numel() or out.numel() % g.size:
+                raise ValueError(
+                    f"all_to_all: send[{index}] ({out.numel()} elements) and received[{index}] "
+                    f"({into.numel()}) must have one numel, a multiple of the size of "
+                    f"{g.describe()}"
+                )
+        if len(send) > _ALL_TO_ALL_BUFFERS:
+            raise ValueError(
+                f"all_to_all: at most {_ALL_TO_ALL_BUFFERS} buffers per call, got {len(send)}"
+            )
+        numel = sum(t.numel() for t in send)
+        count = self._all_to_alls.get(g.name, 0) + 1
+        self._all_to_alls[g.name] = count
+        tag = _ALL_TO_ALL_TAGS + _ALL_TO_ALL_BUFFERS * (count % (1 << 20))
+        return self._run(
+            "all_to_all",
+            g,
+            send[0],
+            numel * (g.size - 1) // g.size,
+            lambda: (
+                AllToAllWork(send, received, g.ranks, g.rank, g.process_group, tag)
+                if _is_gloo(g)
+                else _all_to_all_single(send, received, g)
+            ),
+            async_op,
+            numel=numel,
+        )
+
     def all_gather_object(self, obj: object, *, group: Group | None = None) -> list[object]:
         """Every member's picklable ``obj`` in group-rank order; blocking, for small metadata.
 
@@ -353,8 +490,11 @@ class Communicator:
         elements_sent: int,
         start: Callable[[], dist.Work],
         async_op: bool,
+        numel: int | None = None,
     ) -> Handle:
-        self._record(op, group, tensor.numel(), elements_sent, tensor.dtype)
+        self._record(
+            op, group, tensor.numel() if numel is None else numel, elements_sent, tensor.dtype
+        )
         handle = self._launch(op, group, start)
         if not async_op:
             handle.wait()
@@ -373,8 +513,23 @@ class Communicator:
                 bytes_sent=elements_sent * itemsize,
                 dtype="" if dtype is None else str(dtype).removeprefix("torch."),
                 tag=self.tag,
+                cross_node_bytes=self._cross_node_elements(op, group, elements_sent) * itemsize,
+                phase=self.phase,
             )
         )
+
+    def _cross_node_elements(self, op: str, group: Group, elements_sent: int) -> int:
+        """How many of ``elements_sent`` go to another node (the note on intra-node and
+        cross-node bytes)."""
+        topology = self.topology
+        if topology is None or group.size == 1 or not elements_sent:
+            return 0
+        me = group.ranks[group.rank]
+        if op == "all_to_all":
+            away = sum(1 for peer in group.ranks if not topology.same_node(me, peer))
+            return elements_sent // (group.size - 1) * away
+        right = group.ranks[(group.rank + 1) % group.size]
+        return 0 if topology.same_node(me, right) else elements_sent
 
     @staticmethod
     def _launch(op: str, group: Group, start: Callable[[], dist.Work]) -> Handle:
@@ -441,6 +596,32 @@ def _check_shard_and_full(op: str, group: Group, shard: Tensor, full: Tensor) ->
             f"{shard.numel()} * {group.size} = {expected} elements, got {full.numel()}; "
             f"pad the buffer to padded_numel(numel, {group.size})"
         )
+
+
+class _Works:
+    """Several launched works as one: ``wait`` waits for each, within one timeout in total."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self, timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            work.wait(timeout=timedelta(seconds=max(0.0, deadline - time.monotonic())))
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def _all_to_all_single(send: list[Tensor], received: list[Tensor], group: Group) -> _Works:
+    """NCCL: one builtin all-to-all per buffer."""
+    return _Works(
+        [
+            dist.all_to_all_single(into, out, group=group.process_group, async_op=True)
+            for out, into in zip(send, received, strict=True)
+        ]
+    )
 
 
 def _is_gloo(group: Group) -> bool:
