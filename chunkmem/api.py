@@ -88,7 +88,7 @@ def initialize(
         from zero.strategy import ZeroStrategy
 
         check_ranks_agree(comm, fingerprint(model, config, choice.size))
-        strategy = ZeroStrategy(config.zero.stage, comm, device.torch_device)
+        strategy = ZeroStrategy(config.zero, comm, device.torch_device)
 
     tiers = TierSet(DeviceTier(device, capacity), HostTier(device, config.host.capacity))
     ledger = Ledger(tiers.capacities(), config.report.max_move_events)
