@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import weakref
@@ -14,7 +15,7 @@ import torch
 from chunkmem.binding import ParamBinder
 from chunkmem.config import Config
 from chunkmem.devices import make_device
-from chunkmem.engine import Engine
+from chunkmem.engine import Engine, engine_of
 from chunkmem.errors import CapacityError, ConfigError
 from chunkmem.grads import GradStore
 from chunkmem.hooks import ModuleHooks
@@ -31,6 +32,7 @@ from chunkmem.sharding import Strategy
 from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
 
+_log = logging.getLogger("chunkmem")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ALIGNMENT = 64  # elements: every chunk is a whole number of cache lines in any dtype
 _MIN_CHUNKS = 16
@@ -48,9 +50,20 @@ def initialize(
     hyper-parameters) are taken over; None builds AdamW/Adam from ``config.optimizer``.
     ``config``: a :class:`Config`, a dict or a path to a JSON file.
     """
+    if isinstance(optimizer, (dict, str, Path, Config)):
+        raise ConfigError(
+            f"initialize() got a {type(optimizer).__name__} as its optimizer argument, which "
+            f"looks like a config: pass it by keyword, initialize(model, config=...)"
+        )
     config = Config.coerce(config)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
+    if engine_of(model) is not None:
+        raise ConfigError(
+            "this model is already wrapped by an open chunkmem engine, which owns its "
+            "parameters; keep training with that engine, or call its close() first (which "
+            "gives the model its parameters back) and then initialize again"
+        )
     named = list(model.named_parameters())
     for name, param in named:
         if param.device.type == "meta":
@@ -66,6 +79,7 @@ def initialize(
     compute_dtype = _DTYPES[config.precision]
     mixed = config.precision != "fp32"
     world_size = comm.size if comm else 1
+    _say_if_dtypes_change(named, compute_dtype, config.precision)
 
     param_groups, group_of, decoupled = _param_groups(model, optimizer, config)
     unique = list(dict.fromkeys(p for _n, p in named))
@@ -113,7 +127,7 @@ def initialize(
         params, residency, strategy.sharding, gatherer, reducer, config.placement.optimizer_states
     )
     params.register(named)
-    _move_buffers(model, device.torch_device)
+    _move_buffers(model, device.torch_device, compute_dtype)
     hooks = ModuleHooks(manager)
     unit = config.placement.unit_elements
     hooks.attach(model, choice.size if unit == "chunk" else unit)
@@ -271,9 +285,32 @@ def _check_capacity(
         )
 
 
-def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
-    """Buffers (masks, running statistics) are small and live on the compute device."""
+def _move_buffers(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Buffers (masks, running statistics, rotary tables) move to the compute device, and
+    floating-point ones take the compute dtype, as ``model.to(device, dtype)`` does: a
+    BatchNorm's fp32 running statistics next to bf16 parameters and inputs fail in forward."""
     for module in model.modules():
         for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+            if buffer is None:
+                continue
+            target = dtype if buffer.is_floating_point() else buffer.dtype
+            if buffer.device != device or buffer.dtype != target:
+                module._buffers[name] = buffer.to(device=device, dtype=target)
+
+
+def _say_if_dtypes_change(
+    named: list[tuple[str, torch.nn.Parameter]], compute_dtype: torch.dtype, precision: str
+) -> None:
+    """One logged line when the model's parameters are in another dtype than the one it will
+    train in (a bf16 model under the default fp32 precision, an fp64 model)."""
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for _n, p in named if p.is_floating_point()})
+    target = str(compute_dtype).removeprefix("torch.")
+    if dtypes and dtypes != [target]:
+        _log.warning(
+            "the model's parameters are %s; chunkmem trains them in %s (config precision %r, "
+            "one of fp32, bf16, fp16)%s",
+            ", ".join(dtypes),
+            target,
+            precision,
+            "" if precision != "fp32" else "; set precision to bf16 or fp16 to train in 16 bits",
+        )

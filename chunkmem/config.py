@@ -87,6 +87,12 @@ class LossScaleConfig(_Section):
     )
     growth_interval: int = Field(1000, ge=1, description="Overflow-free steps before growing.")
     min_scale: float = Field(1.0, gt=0, description="The scale never backs off below this.")
+    max_skips_at_min_scale: int = Field(
+        10,
+        ge=1,
+        description="Consecutive overflowing steps at min_scale after which training stops "
+        "with an error: the run cannot make progress, and skipping forever would hide it.",
+    )
 
 
 class DeviceConfig(_Section):
@@ -274,6 +280,14 @@ class Config(_Section):
     gradient_clipping: float = Field(
         0.0, ge=0, description="Max global L2 norm of all gradients; 0 disables clipping."
     )
+    nonfinite: Literal["raise", "skip"] = Field(
+        "raise",
+        description="What a step does when a gradient is NaN or infinite (fp32/bf16; fp16 "
+        "overflows are the loss scaler's). raise: engine.step() raises FloatingPointError "
+        "naming the step, after discarding the gradients (the parameters are untouched, and "
+        "the next batch may train). skip: the step is skipped, logged and counted in the "
+        "report.",
+    )
     optimizer: OptimizerConfig = OptimizerConfig()
     loss_scale: LossScaleConfig = LossScaleConfig()
     device: DeviceConfig = DeviceConfig()
@@ -296,9 +310,14 @@ class Config(_Section):
     def from_json(cls, path: str | Path) -> Config:
         path = Path(path)
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"config file {str(path)!r} does not exist") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
+                f"{exc.start}); save it as UTF-8 JSON"
+            ) from None
         except json.JSONDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
         return cls.from_dict(data)

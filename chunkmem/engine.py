@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import math
+import weakref
 from collections import Counter
 from collections.abc import Hashable
 from pathlib import Path
@@ -34,6 +36,20 @@ from chunkmem.report import RunSummary, write_report
 from chunkmem.saved_tensors import ActivationCounter, make_saved_tensor_hooks
 from chunkmem.states import TensorState
 from chunkmem.tracer import Tracer
+
+_log = logging.getLogger("chunkmem")
+
+# The engine wrapping each model: a second engine on the same model would fight the first
+# over every parameter's ``.data`` (see ``chunkmem.initialize``).
+_ENGINE_OF: weakref.WeakKeyDictionary[torch.nn.Module, weakref.ref[Engine]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def engine_of(model: torch.nn.Module) -> Engine | None:
+    """The open engine wrapping ``model``, if any."""
+    ref = _ENGINE_OF.get(model)
+    return None if ref is None else ref()
 
 
 class EnginePhase(enum.Enum):
@@ -106,6 +122,9 @@ class Engine:
         self.global_steps = 0
         self.last_grad_norm: float | None = None
         self.stopped_because: str | None = None
+        self.cycles_started = 0  # aborted cycles included: collectives carry the number
+        self._closed = False
+        _ENGINE_OF[module] = weakref.ref(self)
         self._pack, self._unpack = make_saved_tensor_hooks(manager, activations, internal)
 
     # ---------------------------------------------------------------- accessors
@@ -148,9 +167,12 @@ class Engine:
             (args, kwargs), self.compute_dtype, self.residency.device.torch_device
         )
         if not self.tracer.in_cycle:
+            self._forget_calls_outside_the_engine()
             self.tracer.begin_cycle(
                 ("train" if training else "eval", input_signature(args, kwargs))
             )
+            self.cycles_started += 1
+            self.states.sharding.begin_cycle(self.cycles_started)
         recording = not self.tracer.replaying
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -190,8 +212,12 @@ class Engine:
         final = self.micro_steps + 1 == self.config.gradient_accumulation_steps
         try:
             self.reducer.begin_backward(final_micro_batch=final)
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                (loss * factor if factor != 1.0 else loss).backward()
+            self.grads.accepting = True
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                    (loss * factor if factor != 1.0 else loss).backward()
+            finally:
+                self.grads.accepting = False
             self.hooks.finish_backward()
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
             self.reducer.finish_backward()
@@ -243,20 +269,26 @@ class Engine:
 
     # ---------------------------------------------------------------- internals
     def _unscale_and_clip(self) -> tuple[bool, float]:
+        """(skip this step, gradient divisor). The global norm is computed every step: it is
+        the clipping norm, and it tells non-finite gradients (one read of the gradients; under
+        ZeRO one small all-reduce, so every rank decides alike)."""
         scale = self.scaler.scale
-        clipping = self.config.gradient_clipping
-        if clipping <= 0 and self.config.precision != "fp16":
-            return False, 1.0
         norm = self.optimizer.grad_norm() / scale
         self.last_grad_norm = norm
-        if not math.isfinite(norm):
-            if self.config.precision == "fp16":
-                return True, 1.0
-            raise FloatingPointError(
-                f"the global gradient norm is {norm} at step {self.global_steps}: training "
-                f"diverged; lower the learning rate or check the data"
-            )
-        return False, scale / clip_coefficient(norm, clipping)
+        if math.isfinite(norm):
+            return False, scale / clip_coefficient(norm, self.config.gradient_clipping)
+        if self.config.precision == "fp16":
+            return True, 1.0  # an overflow: the loss scaler backs off
+        step = self.global_steps + 1
+        if self.config.nonfinite == "skip":
+            _log.warning("step %d skipped: the gradient norm is %s (nonfinite: skip)", step, norm)
+            return True, 1.0
+        raise FloatingPointError(
+            f"step {step}: the global gradient norm is {norm}, some gradient is NaN or "
+            f"infinite. The step was not taken and its gradients were discarded; the next "
+            f"batch may train. Lower the learning rate or check the data, or set config "
+            f"'nonfinite': 'skip' to skip such steps"
+        )
 
     def _end_cycle(self) -> None:
         self.grads.clear()
@@ -288,6 +320,13 @@ class Engine:
             self.phase = EnginePhase.IDLE
             if isinstance(error, CollectiveError):
                 self._stop(f"a collective failed ({error})")
+
+    def _forget_calls_outside_the_engine(self) -> None:
+        """A forward or backward of the bare model (eval, generation, a refused stray backward)
+        may leave hook frames and parameters in COMPUTE; no cycle runs, so nothing is in use."""
+        if self.hooks.stack or self.hooks.open_calls or not self.params.states_hold():
+            self.hooks.reset()
+            self.manager.reset_states()
 
     def discard(self) -> None:
         """Drop everything since the last optimizer step: the pending forward's graph and
@@ -363,14 +402,38 @@ class Engine:
             cycles_recorded=self.tracer.cycles_recorded,
             divergences=self.tracer.divergences,
             config=self.config.model_dump(mode="json"),
+            skipped_steps=self.scaler.skipped_steps,
         )
 
     def close(self) -> None:
-        """Remove every hook this engine put on the model."""
-        self.hooks.detach()
-        for handle in self._grad_hook_handles:
-            handle.remove()
-        self._grad_hook_handles.clear()
+        """Give the model back: its parameters become ordinary tensors again, holding their
+        current values (fp32 masters where there are any) in their original dtype and on
+        their original device, and every hook this engine put on the model is removed. The
+        model may then be wrapped by a new engine. Under ZeRO every rank must call it (the
+        shards are gathered). Closing twice does nothing."""
+        if self._closed:
+            return
+        try:
+            if self.phase is not EnginePhase.STOPPED:
+                self._restore_parameters()
+        finally:
+            self._closed = True
+            self.hooks.detach()
+            for handle in self._grad_hook_handles:
+                handle.remove()
+            self._grad_hook_handles.clear()
+            _ENGINE_OF.pop(self.module, None)
+
+    def _restore_parameters(self) -> None:
+        params = self.params
+        if not params.all_packed:
+            params.pack_remaining(self.residency.tiers.spill)
+        values = {layout.index: params.layout_values(layout) for layout in params.layouts}
+        for slot in params.slots.values():
+            flat = values[slot.layout.index][slot.offset : slot.offset + slot.numel]
+            dtype, device = params.original[id(slot.param)]
+            slot.param.data = flat.view(slot.shape).to(device=device, dtype=dtype, copy=True)
+            slot.bound = False
 
     def chunk_summary(self) -> dict[str, Any]:
         layouts = self.params.layouts

@@ -20,6 +20,7 @@ import torch
 
 from chunkmem.binding import ParamBinder
 from chunkmem.chunk import Chunk, ChunkKind, TensorSlot
+from chunkmem.errors import EngineUsageError
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer
@@ -42,6 +43,7 @@ class GradStore:
         self.reducer = reducer
         self.grads_in_param_slot = grads_in_param_slot
         self.repaired_grad_slots: list[str] = []
+        self.accepting = False  # only engine.backward() produces gradients the engine takes
 
     def home(self, slot: TensorSlot) -> Chunk:
         """The chunk ``slot``'s gradient is written to in backward (created on first use)."""
@@ -66,6 +68,13 @@ class GradStore:
         if grad is None:
             return
         param.grad = None
+        if not self.accepting:
+            raise EngineUsageError(
+                f"a gradient of {self.params.name_of(param)!r} arrived outside "
+                f"engine.backward() (a loss.backward() of a forward run around the engine?). "
+                f"It was dropped, not added to the next update: run forwards as engine(...) "
+                f"and backward as engine.backward(loss)"
+            )
         slot = self.params.slots[id(param)]
         self.reducer.before_write(slot.layout)
         residency = self.residency

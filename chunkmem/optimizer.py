@@ -278,7 +278,7 @@ class ChunkAdam:
         sharding = self.sharding
         if sharding.world_size == 1:
             return float(local)
-        squares = local.double().square()
+        squares = local.double().square().reshape(1)
         sharding.all_reduce_sum(squares)
         return math.sqrt(float(squares)) / sharding.world_size
 

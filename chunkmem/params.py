@@ -52,6 +52,8 @@ class ParamStore:
             for trainable in (True, False)
         }
         self._slot_offsets: dict[int, list[int]] = {}
+        # id(param) -> (dtype, device) it had before the engine took it over.
+        self.original: dict[int, tuple[torch.dtype, torch.device]] = {}
 
     def register(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         """Take charge of parameters (tied ones once, under their first name)."""
@@ -64,6 +66,7 @@ class ParamStore:
                     f"point parameters only (register integer state as a buffer instead)"
                 )
             self.pending[id(param)] = (name, param)
+            self.original[id(param)] = (param.dtype, param.device)
 
     @property
     def all_packed(self) -> bool:
@@ -75,6 +78,13 @@ class ParamStore:
     def slot_of(self, param: torch.Tensor) -> TensorSlot | None:
         """The slot of a packed parameter (None if it is not packed or not managed)."""
         return self.slots.get(id(param))
+
+    def name_of(self, param: torch.Tensor) -> str:
+        slot = self.slots.get(id(param))
+        if slot is not None:
+            return slot.name
+        pending = self.pending.get(id(param))
+        return pending[0] if pending is not None else "<unmanaged>"
 
     def num_parameters(self) -> int:
         """Elements of every managed parameter, packed or not (tied ones once)."""

@@ -80,6 +80,11 @@ class Sharding:
         """The iteration number collectives are recorded under (for per-step accounting)."""
         return None
 
+    def begin_cycle(self, cycle: int) -> None:
+        """A new forward/backward/step cycle starts (aborted ones count): every rank must be
+        in the same one whenever they meet in a collective."""
+        return None
+
 
 class ParamGatherer:
     """How a layout's parameters are whole on the device when a module computes on them.

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from chunkmem.errors import CollectiveError
+from zero.identity import FIELDS, CollectiveIdentity, diagnose, mismatch_message
 from zero.process_group import Group, create_group, init_world
 from zero.ring import AllToAllWork, HostStagedRing, RingWork
 from zero.topology import Topology
@@ -66,16 +68,24 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
-# All-to-all messages are tagged per group (see ``all_to_all``), in a range of their own so
-# that they never match a ring's message between the same pair: buffer i of the group's k-th
-# all-to-all goes under _ALL_TO_ALL_TAGS + 8 * (k mod 2^20) + i.
-_ALL_TO_ALL_TAGS = 1 << 24
-_ALL_TO_ALL_BUFFERS = 8
 
 
 def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
     return CollectiveError(
         op, group.name, group.ranks, time.monotonic() - launched_at, group.timeout_s, cause
+    )
+
+
+def _diagnosed(identity: CollectiveIdentity, group: Group, cause: str) -> str:
+    """A timed-out wait: where every peer is, if they say (see ``zero.identity``)."""
+    if group.size == 1:
+        return cause
+    answers = diagnose(
+        identity, group.ranks, group.ranks[group.rank], group.process_group,
+        min(10.0, group.timeout_s),
+    )  # fmt: skip
+    return mismatch_message(identity, group.ranks[group.rank], answers) or (
+        f"{cause} (every peer says it is at the same {identity.describe()})"
     )
 
 
@@ -108,35 +118,78 @@ class CollectiveRecord:
 
 @dataclass
 class CommLedger:
-    """Every collective a `Communicator` launched, in launch order, and sums over them.
+    """The collectives a `Communicator` launched: running totals, and bounded detail.
 
-    Records are kept until the caller clears ``records``; a long run reads a step's totals and
-    clears them, or memory grows with the number of collectives.
+    Totals per (op, group) cover the whole run; totals per tag (the step) are kept for the last
+    ``max_tags`` tags, and the records themselves for the last ``max_records`` collectives, so a
+    run of any length holds a fixed amount (``records_dropped`` counts what left the window).
     """
 
-    records: list[CollectiveRecord] = field(default_factory=list)
+    max_records: int = 10_000
+    max_tags: int = 64
+    records: deque[CollectiveRecord] = field(default_factory=deque)
+    records_dropped: int = 0
+    # (op, group, phase) -> [calls, elements sent, bytes sent, cross-node bytes]
+    _totals: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    _by_tag: OrderedDict[int, dict[tuple[str, str, str], list[int]]] = field(
+        default_factory=OrderedDict
+    )
 
-    def _select(
-        self, op: str | None, group: str | None, tag: int | None, phase: str | None = None
-    ) -> list[CollectiveRecord]:
-        return [
-            r
-            for r in self.records
-            if (op is None or r.op == op)
-            and (group is None or r.group == group)
-            and (tag is None or r.tag == tag)
-            and (phase is None or r.phase == phase)
-        ]
+    def add(self, record: CollectiveRecord) -> None:
+        self.records.append(record)
+        if len(self.records) > self.max_records:
+            self.records.popleft()
+            self.records_dropped += 1
+        key = (record.op, record.group, record.phase)
+        tag_totals = self._by_tag.get(record.tag)
+        if tag_totals is None:
+            tag_totals = self._by_tag[record.tag] = {}
+            while len(self._by_tag) > self.max_tags:
+                self._by_tag.popitem(last=False)
+        for totals in (self._totals, tag_totals):
+            row = totals.setdefault(key, [0, 0, 0, 0])
+            row[0] += 1
+            row[1] += record.elements_sent
+            row[2] += record.bytes_sent
+            row[3] += record.cross_node_bytes
+
+    def _rows(self, tag: int | None) -> dict[tuple[str, str, str], list[int]]:
+        if tag is None:
+            return self._totals
+        if tag in self._by_tag:
+            return self._by_tag[tag]
+        if self._by_tag and tag < next(iter(self._by_tag)):
+            raise KeyError(
+                f"tag {tag} left the ledger's window of the last {self.max_tags} tags; read a "
+                f"step's volume while it is recent, or raise CommLedger.max_tags"
+            )
+        return {}
+
+    def _sum(
+        self,
+        column: int,
+        op: str | None,
+        group: str | None,
+        tag: int | None,
+        phase: str | None = None,
+    ) -> int:
+        return sum(
+            row[column]
+            for (row_op, row_group, row_phase), row in self._rows(tag).items()
+            if (op is None or row_op == op)
+            and (group is None or row_group == group)
+            and (phase is None or row_phase == phase)
+        )
 
     def elements_sent(
         self, *, op: str | None = None, group: str | None = None, tag: int | None = None
     ) -> int:
-        return sum(r.elements_sent for r in self._select(op, group, tag))
+        return self._sum(1, op, group, tag)
 
     def bytes_sent(
         self, *, op: str | None = None, group: str | None = None, tag: int | None = None
     ) -> int:
-        return sum(r.bytes_sent for r in self._select(op, group, tag))
+        return self._sum(2, op, group, tag)
 
     def cross_node_bytes(
         self,
@@ -147,7 +200,7 @@ class CommLedger:
         phase: str | None = None,
     ) -> int:
         """Bytes this rank sent to ranks on other nodes."""
-        return sum(r.cross_node_bytes for r in self._select(op, group, tag, phase))
+        return self._sum(3, op, group, tag, phase)
 
     def intra_node_bytes(
         self,
@@ -158,39 +211,50 @@ class CommLedger:
         phase: str | None = None,
     ) -> int:
         """Bytes this rank sent to ranks on its own node."""
-        return sum(r.intra_node_bytes for r in self._select(op, group, tag, phase))
+        return self._sum(2, op, group, tag, phase) - self._sum(3, op, group, tag, phase)
 
     def totals(self) -> dict[tuple[str, str], dict[str, int]]:
-        """``(op, group) -> {"calls", "elements_sent", "bytes_sent"}`` over all records."""
+        """``(op, group) -> {"calls", "elements_sent", "bytes_sent"}`` over the whole run."""
         out: dict[tuple[str, str], dict[str, int]] = {}
-        for r in self.records:
-            row = out.setdefault((r.op, r.group), {"calls": 0, "elements_sent": 0, "bytes_sent": 0})
-            row["calls"] += 1
-            row["elements_sent"] += r.elements_sent
-            row["bytes_sent"] += r.bytes_sent
+        for (op, group, _phase), (calls, elements, nbytes, _cross) in self._totals.items():
+            row = out.setdefault((op, group), {"calls": 0, "elements_sent": 0, "bytes_sent": 0})
+            row["calls"] += calls
+            row["elements_sent"] += elements
+            row["bytes_sent"] += nbytes
         return out
 
     def by_phase(self, tag: int | None = None) -> dict[tuple[str, str], dict[str, int]]:
-        """``(op, phase) -> {"calls", "intra_node_bytes", "cross_node_bytes"}``."""
+        """``(op, phase) -> {"calls", "intra_node_bytes", "cross_node_bytes"}`` (the whole run,
+        or one tag)."""
         out: dict[tuple[str, str], dict[str, int]] = {}
-        for r in self._select(None, None, tag):
+        for (op, _group, phase), (calls, _elements, nbytes, cross) in self._rows(tag).items():
             row = out.setdefault(
-                (r.op, r.phase), {"calls": 0, "intra_node_bytes": 0, "cross_node_bytes": 0}
+                (op, phase), {"calls": 0, "intra_node_bytes": 0, "cross_node_bytes": 0}
             )
-            row["calls"] += 1
-            row["intra_node_bytes"] += r.intra_node_bytes
-            row["cross_node_bytes"] += r.cross_node_bytes
+            row["calls"] += calls
+            row["intra_node_bytes"] += nbytes - cross
+            row["cross_node_bytes"] += cross
         return out
 
 
 class Handle:
     """A launched collective: `wait` returns once it completed, or raises `CollectiveError`."""
 
-    def __init__(self, op: str, group: Group, work: dist.Work, launched_at: float) -> None:
+    def __init__(
+        self,
+        op: str,
+        group: Group,
+        work: dist.Work,
+        launched_at: float,
+        identity: CollectiveIdentity | None = None,
+        before_wait: Callable[[], None] | None = None,
+    ) -> None:
         self._op = op
         self._group = group
         self._work: dist.Work | None = work
         self._launched_at = launched_at
+        self._identity = identity
+        self._before_wait = before_wait  # the identity check of an NCCL collective
         self._error: CollectiveError | None = None
 
     def wait(self) -> None:
@@ -200,11 +264,21 @@ class Handle:
         if self._work is None:
             return
         work, self._work = self._work, None
+        if self._before_wait is not None:
+            check, self._before_wait = self._before_wait, None
+            try:
+                check()
+            except CollectiveError as error:
+                self._error = error
+                raise
         try:
             # torch's Work.wait(timeout) returns True or raises (a timeout included).
             work.wait(timeout=timedelta(seconds=self._group.timeout_s))
         except RuntimeError as cause:
-            self._error = _failure(self._op, self._group, self._launched_at, str(cause))
+            reason = str(cause)
+            if self._identity is not None:
+                reason = _diagnosed(self._identity, self._group, reason)
+            self._error = _failure(self._op, self._group, self._launched_at, reason)
             raise self._error from cause
 
     def is_completed(self) -> bool:
@@ -218,7 +292,8 @@ class Communicator:
     ``tag`` is stamped on every record: set it to the step number, and
     ``ledger.elements_sent(tag=step)`` gives that step's volume. ``phase`` is stamped too (set
     it for a block with ``serving``). ``topology`` says which ranks share a node (None: all of
-    them), which splits every record's bytes into intra-node and cross-node.
+    them), which splits every record's bytes into intra-node and cross-node. ``cycle`` is the
+    engine's cycle number, part of every collective's identity (see ``zero.identity``).
     """
 
     def __init__(self, world: Group, ledger: CommLedger | None = None) -> None:
@@ -227,9 +302,9 @@ class Communicator:
         self.tag = 0
         self.phase = ""
         self.topology: Topology | None = None
+        self.cycle = 0
         self._groups = {world.name: world}
-        self._rings = 0
-        self._all_to_alls: dict[str, int] = {}
+        self._sequence: dict[str, int] = {}
 
     @contextlib.contextmanager
     def serving(self, phase: str) -> Iterator[None]:
@@ -240,10 +315,40 @@ class Communicator:
         finally:
             self.phase = previous
 
-    def _ring_tag(self) -> int:
-        """A message tag per ring collective; every rank issues rings in the same order."""
-        self._rings += 1
-        return self._rings
+    def _identity(
+        self, op: str, group: Group, numel: int, dtype: torch.dtype | None
+    ) -> CollectiveIdentity:
+        """The next collective's identity in ``group`` (every member numbers them alike)."""
+        seq = self._sequence.get(group.name, 0) + 1
+        self._sequence[group.name] = seq
+        return CollectiveIdentity(self.cycle, seq, op, numel, dtype)
+
+    def _start_agreement(self, identity: CollectiveIdentity, group: Group) -> Callable[[], None]:
+        """Launch the gather of every member's identity for a builtin collective; the returned
+        check waits for it and raises if any member is elsewhere. A fixed-size gather: a rank
+        in another collective can never make it abort on a size mismatch."""
+        device = _object_device(group)
+        mine = identity.encode().to(device)
+        everyone = torch.empty(group.size * FIELDS, dtype=torch.int64, device=device)
+        handle = self._launch(
+            identity.op,
+            group,
+            lambda: _ALL_GATHER(everyone, mine, group=group.process_group, async_op=True),
+            identity,
+        )
+
+        def check() -> None:
+            handle.wait()
+            rows = everyone.cpu().view(group.size, FIELDS)
+            theirs = {
+                global_rank: CollectiveIdentity.decode(rows[position])
+                for position, global_rank in enumerate(group.ranks)
+            }
+            problem = mismatch_message(identity, self.rank, theirs)
+            if problem is not None:
+                raise _failure(identity.op, group, time.monotonic(), problem)
+
+        return check
 
     @property
     def rank(self) -> int:
@@ -274,25 +379,19 @@ class Communicator:
         g = self._member("all_gather", group)
         _check_shard_and_full("all_gather", g, shard, full)
         numel = full.numel()
+        ring = _ring_for(full)
         return self._run(
             "all_gather",
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda: (
-                _ring_for(full)(
-                    full,
-                    shard,
-                    g.ranks,
-                    g.rank,
-                    g.process_group,
-                    reduce=False,
-                    tag=self._ring_tag(),
-                )
+            lambda tag: (
+                ring(full, shard, g.ranks, g.rank, g.process_group, reduce=False, tag=tag)
                 if _is_gloo(g)
                 else _ALL_GATHER(full, shard, group=g.process_group, async_op=True)
             ),
             async_op,
+            ring=_is_gloo(g),
         )
 
     def reduce_scatter(
@@ -302,21 +401,21 @@ class Communicator:
         g = self._member("reduce_scatter", group)
         _check_shard_and_full("reduce_scatter", g, shard, full)
         numel = full.numel()
+        ring = _ring_for(full)
         return self._run(
             "reduce_scatter",
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda: (
-                _ring_for(full)(
-                    full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=self._ring_tag()
-                )
+            lambda tag: (
+                ring(full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=tag)
                 if _is_gloo(g)
                 else _REDUCE_SCATTER(
                     shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True
                 )
             ),
             async_op,
+            ring=_is_gloo(g),
         )
 
     def all_reduce(
@@ -341,7 +440,7 @@ class Communicator:
             g,
             tensor,
             2 * numel * (g.size - 1) // g.size,
-            lambda: dist.all_reduce(
+            lambda _tag: dist.all_reduce(
                 tensor, op=_REDUCE_OPS[op], group=g.process_group, async_op=True
             ),
             async_op,
@@ -366,7 +465,9 @@ class Communicator:
             g,
             tensor,
             sent,
-            lambda: dist.broadcast(tensor, src=g.ranks[src], group=g.process_group, async_op=True),
+            lambda _tag: dist.broadcast(
+                tensor, src=g.ranks[src], group=g.process_group, async_op=True
+            ),
             async_op=False,
         )
 
@@ -384,10 +485,10 @@ class Communicator:
         block ``k`` of ``received[i]``. All buffers share one dtype; ``received[i]`` has the
         numel of ``send[i]``.
 
-        Runs as point-to-point messages on gloo (like the rings) and as
-        ``all_to_all_single`` per buffer on NCCL. Messages are tagged by the group's own count
-        of all-to-alls, so only the order of all-to-alls within each group must agree across
-        its members: a rank may launch one in ``wait`` of an earlier collective.
+        Runs as point-to-point messages on gloo (like the rings) under the collective's
+        identity tag, and as ``all_to_all_single`` per buffer on NCCL. At most two buffers (a
+        quantized tensor's levels and scales): the second travels under a tag of its own
+        (``zero.ring.AllToAllWork``).
         """
         g = self._member("all_to_all", group)
         send, received = list(send), list(received)
@@ -410,25 +511,22 @@ class Communicator:
                     f"({into.numel()}) must have one numel, a multiple of the size of "
                     f"{g.describe()}"
                 )
-        if len(send) > _ALL_TO_ALL_BUFFERS:
-            raise ValueError(
-                f"all_to_all: at most {_ALL_TO_ALL_BUFFERS} buffers per call, got {len(send)}"
-            )
+        if len(send) > 2:
+            raise ValueError(f"all_to_all: at most 2 buffers per call, got {len(send)}")
         numel = sum(t.numel() for t in send)
-        count = self._all_to_alls.get(g.name, 0) + 1
-        self._all_to_alls[g.name] = count
-        tag = _ALL_TO_ALL_TAGS + _ALL_TO_ALL_BUFFERS * (count % (1 << 20))
+        gloo = _is_gloo(g)
         return self._run(
             "all_to_all",
             g,
             send[0],
             numel * (g.size - 1) // g.size,
-            lambda: (
+            lambda tag: (
                 AllToAllWork(send, received, g.ranks, g.rank, g.process_group, tag)
-                if _is_gloo(g)
+                if gloo
                 else _all_to_all_single(send, received, g)
             ),
             async_op,
+            ring=gloo,
             numel=numel,
         )
 
@@ -441,6 +539,7 @@ class Communicator:
         """
         g = self._member("all_gather_object", group)
         device = _object_device(g)
+        self._start_agreement(self._identity("all_gather_object", g, 0, None), g)()
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
         lengths = torch.empty(g.size, dtype=torch.int64, device=device)
@@ -470,9 +569,8 @@ class Communicator:
         """Return once every member reached the barrier (bounded by the group's timeout)."""
         g = self._member("barrier", group)
         self._record("barrier", g, 0, 0, None)
-        self._launch(
-            "barrier", g, lambda: dist.barrier(group=g.process_group, async_op=True)
-        ).wait()
+        # Every member at the same collective: that gather is the barrier.
+        self._start_agreement(self._identity("barrier", g, 0, None), g)()
 
     def _member(self, op: str, group: Group | None) -> Group:
         g = self.world if group is None else group
@@ -488,14 +586,26 @@ class Communicator:
         group: Group,
         tensor: Tensor,
         elements_sent: int,
-        start: Callable[[], dist.Work],
+        start: Callable[[int], dist.Work],
         async_op: bool,
+        ring: bool = False,
         numel: int | None = None,
     ) -> Handle:
-        self._record(
-            op, group, tensor.numel() if numel is None else numel, elements_sent, tensor.dtype
-        )
-        handle = self._launch(op, group, start)
+        """Launch ``start(tag)`` as collective ``op`` with its identity (see ``zero.identity``):
+        a ring sends under the identity's tag; a builtin collective first checks that every
+        member is at the same collective (before launching on gloo, whose background work
+        would abort on a size mismatch; on the wait on NCCL, which keeps its launch order).
+        ``numel`` is the logical size when ``tensor`` is one of several buffers."""
+        numel = tensor.numel() if numel is None else numel
+        self._record(op, group, numel, elements_sent, tensor.dtype)
+        identity = self._identity(op, group, numel, tensor.dtype)
+        check = None
+        if not ring and group.size > 1:
+            check = self._start_agreement(identity, group)
+            if _is_gloo(group):
+                check()
+                check = None
+        handle = self._launch(op, group, lambda: start(identity.tag()), identity, check)
         if not async_op:
             handle.wait()
         return handle
@@ -504,7 +614,7 @@ class Communicator:
         self, op: str, group: Group, numel: int, elements_sent: int, dtype: torch.dtype | None
     ) -> None:
         itemsize = 0 if dtype is None else dtype.itemsize
-        self.ledger.records.append(
+        self.ledger.add(
             CollectiveRecord(
                 op=op,
                 group=group.name,
@@ -532,13 +642,19 @@ class Communicator:
         return 0 if topology.same_node(me, right) else elements_sent
 
     @staticmethod
-    def _launch(op: str, group: Group, start: Callable[[], dist.Work]) -> Handle:
+    def _launch(
+        op: str,
+        group: Group,
+        start: Callable[[], dist.Work],
+        identity: CollectiveIdentity | None = None,
+        before_wait: Callable[[], None] | None = None,
+    ) -> Handle:
         launched_at = time.monotonic()
         try:
             work = start()
         except RuntimeError as cause:
             raise _failure(op, group, launched_at, str(cause)) from cause
-        return Handle(op, group, work, launched_at)
+        return Handle(op, group, work, launched_at, identity, before_wait)
 
 
 def padded_numel(numel: int, multiple: int) -> int:

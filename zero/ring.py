@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zero.identity import DIAGNOSE_TAG
+
 
 class RingWork:
     """A ring collective in flight; ``wait(timeout)`` finishes it like a torch ``Work``."""
@@ -150,8 +152,9 @@ class HostStagedRing:
 class AllToAllWork:
     """An equal-split all-to-all over point-to-point messages; ``wait(timeout)`` finishes it like
     a torch ``Work``. Every buffer is cut into one block per rank; all messages are posted at
-    launch, buffer ``i`` under ``tag + i``. Device tensors travel as host copies (see the
-    module note), copied back in ``wait``."""
+    launch. The first buffer travels under ``tag`` (a collective identity's tag, always even),
+    the second under an odd tag next to it that no ring or identity uses. Device tensors travel
+    as host copies (see the module note), copied back in ``wait``."""
 
     def __init__(
         self,
@@ -170,6 +173,9 @@ class AllToAllWork:
             received = [torch.empty_like(t, device="cpu") for t in received]
         self._received = received
         ops = []
+        # Identity tags are even and below DIAGNOSE_TAG (the largest int32): tag + 1 is free,
+        # except next to it.
+        tags = [tag, tag + 1 if tag + 1 != DIAGNOSE_TAG else tag - 1]
         for index, (out, into) in enumerate(zip(send, received, strict=True)):
             n = out.numel() // size
             into[rank * n : (rank + 1) * n].copy_(out[rank * n : (rank + 1) * n])
@@ -178,10 +184,10 @@ class AllToAllWork:
                     continue
                 block = slice(peer * n, (peer + 1) * n)
                 ops.append(
-                    dist.P2POp(dist.isend, out[block], ranks[peer], process_group, tag + index)
+                    dist.P2POp(dist.isend, out[block], ranks[peer], process_group, tags[index])
                 )
                 ops.append(
-                    dist.P2POp(dist.irecv, into[block], ranks[peer], process_group, tag + index)
+                    dist.P2POp(dist.irecv, into[block], ranks[peer], process_group, tags[index])
                 )
         self._works = dist.batch_isend_irecv(ops) if ops else []
 

@@ -76,6 +76,9 @@ class ZeroSharding(Sharding):
     def set_tag(self, iteration: int) -> None:
         self.comm.tag = iteration
 
+    def begin_cycle(self, cycle: int) -> None:
+        self.comm.cycle = cycle
+
 
 class ZeroStrategy(Strategy):
     """The seams of ZeRO stage 1, 2 or 3, with the ZeRO++ techniques ``config`` switches on,

@@ -104,6 +104,7 @@ def _summary_section(summary: dict[str, Any]) -> str:
         ("optimizer steps", summary["global_steps"]),
         ("iterations", summary["iterations"]),
         ("loss scale", f"{summary['loss_scale']:g}"),
+        ("steps skipped (overflow or non-finite)", summary["skipped_steps"]),
         (
             "traces recorded / divergences",
             f"{summary['tracer']['cycles_recorded']} / {summary['tracer']['divergences']}",

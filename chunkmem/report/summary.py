@@ -26,3 +26,5 @@ class RunSummary:
     cycles_recorded: int
     divergences: int
     config: dict[str, Any] = field(default_factory=dict)
+    # Steps not taken: fp16 overflows, and non-finite gradients under ``nonfinite: skip``.
+    skipped_steps: int = 0

@@ -1,0 +1,145 @@
+"""Which collective a rank is in: an identity every rank must agree on before data moves.
+
+[Note: desynchronized ranks] A rank that catches an exception mid-cycle and carries on, or
+skips a collective its peers issue, pairs its next collectives with its peers' earlier ones:
+matched only by order, they exchange data from different steps without a word, or buffers of
+different sizes, on which gloo aborts the process. So every collective carries an identity:
+the engine's cycle number (every forward/backward/step cycle, aborted ones included), the
+collective's sequence number in its group, the operation, the element count and the dtype.
+
+- Point-to-point rings send under a tag derived from the identity: messages of different
+  collectives never match, so no data is mixed and no size can disagree.
+- Builtin collectives (all_reduce, broadcast, barrier, object gathers) first all-gather the
+  identities (a fixed-size message) and compare them on every rank.
+- A rank whose wait times out asks its peers where they are, on a tag reserved for that, and
+  the error names both sides.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+OPS = (
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+    "all_gather_object",
+    "barrier",
+    "all_to_all",
+)
+_DTYPES = (
+    None,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.uint8,
+    torch.int8,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+)
+FIELDS = 5  # int64 values per identity on the wire
+DIAGNOSE_TAG = (1 << 31) - 1  # reserved for "where are you?" after a timeout
+_TAG_MASK = (1 << 31) - 2  # ring tags stay below the reserved one
+
+
+@dataclass(frozen=True)
+class CollectiveIdentity:
+    cycle: int
+    seq: int
+    op: str
+    numel: int
+    dtype: torch.dtype | None
+
+    def encode(self) -> torch.Tensor:
+        dtype_code = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else len(_DTYPES)
+        return torch.tensor(
+            [self.cycle, self.seq, OPS.index(self.op), self.numel, dtype_code], dtype=torch.int64
+        )
+
+    @staticmethod
+    def decode(values: torch.Tensor) -> CollectiveIdentity:
+        cycle, seq, op, numel, dtype_code = (int(v) for v in values.tolist())
+        dtype = _DTYPES[dtype_code] if 0 <= dtype_code < len(_DTYPES) else None
+        return CollectiveIdentity(cycle, seq, OPS[op] if 0 <= op < len(OPS) else "?", numel, dtype)
+
+    def tag(self) -> int:
+        """The message tag of a ring with this identity (never the reserved diagnosis tag)."""
+        return zlib.crc32(self.encode().numpy().tobytes()) & _TAG_MASK
+
+    def describe(self) -> str:
+        dtype = "" if self.dtype is None else f" of {str(self.dtype).removeprefix('torch.')}"
+        return (
+            f"collective #{self.seq} of cycle {self.cycle} ({self.op} of {self.numel:,} "
+            f"elements{dtype})"
+        )
+
+
+def mismatch_message(
+    mine: CollectiveIdentity, rank: int, theirs: dict[int, CollectiveIdentity | None]
+) -> str | None:
+    """Why the ranks are out of step, naming both sides; None when every rank agrees."""
+    differing = {r: t for r, t in theirs.items() if t != mine}
+    if not differing:
+        return None
+    parts = []
+    for other, identity in sorted(differing.items()):
+        where = (
+            "did not answer (dead, hung, or outside any collective)"
+            if identity is None
+            else f"is at {identity.describe()}"
+        )
+        parts.append(f"rank {other} {where}")
+    return (
+        f"ranks are out of step: rank {rank} is at {mine.describe()}, but "
+        + "; ".join(parts)
+        + ". A rank skipped or repeated collectives (e.g. it caught an exception and carried on "
+        "with the next batch); every rank must run the same cycles."
+    )
+
+
+def diagnose(
+    mine: CollectiveIdentity,
+    ranks: tuple[int, ...],
+    rank: int,
+    process_group: object,
+    timeout_s: float,
+) -> dict[int, CollectiveIdentity | None]:
+    """After a timeout: tell every peer where this rank is and hear where they are.
+
+    A peer that timed out too answers at once; one that does not answer within ``timeout_s``
+    is reported as silent. Fixed-size messages on a reserved tag, so nothing here can meet a
+    payload of another collective.
+    """
+    peers = [r for r in ranks if r != rank]
+    payload = mine.encode()
+    received = {peer: torch.empty(FIELDS, dtype=torch.int64) for peer in peers}
+    works = []
+    for peer in peers:
+        try:  # a dead peer's connection may refuse even the posting
+            dist.isend(payload, peer, group=process_group, tag=DIAGNOSE_TAG)
+            works.append(
+                (peer, dist.irecv(received[peer], peer, group=process_group, tag=DIAGNOSE_TAG))
+            )
+        except RuntimeError:
+            continue
+    answers: dict[int, CollectiveIdentity | None] = dict.fromkeys(peers)
+    deadline = time.monotonic() + timeout_s
+    for peer, work in works:
+        left = deadline - time.monotonic()
+        try:
+            if left <= 0:
+                raise RuntimeError("no time left")
+            work.wait(timeout=timedelta(seconds=left))
+        except RuntimeError:
+            continue
+        answers[peer] = CollectiveIdentity.decode(received[peer])
+    return answers
