@@ -156,11 +156,15 @@ def _qwz_gathers(comm: Communicator) -> list[str]:
                     handle = gather.start(shard, full, phase="fwd", async_op=async_op)
                     handle.wait()
                     what = f"{dtype} int{bits} block {block} shard {n}"
-                    expected = torch.cat([_qwz_case(_values(r, n, dtype), bits, block) for r in range(WORLD)])
+                    expected = torch.cat(
+                        [_qwz_case(_values(r, n, dtype), bits, block) for r in range(WORLD)]
+                    )
                     assert_same_bits(full, expected, f"{what}: native vs the reference pipeline")
                     exact = torch.cat([_values(r, n, dtype) for r in range(WORLD)])
                     error = (full.double() - exact.double()).abs()
-                    bound = torch.cat([qwz_bound(_values(r, n, dtype), bits, block) for r in range(WORLD)])
+                    bound = torch.cat(
+                        [qwz_bound(_values(r, n, dtype), bits, block) for r in range(WORLD)]
+                    )
                     assert bool((error <= bound).all()), f"{what}: error above the bound"
                     if n > 1:  # not vacuous: rounding uses most of the half step somewhere
                         assert float((error / bound).max()) > 0.3, what

@@ -88,9 +88,10 @@ class _QgzWork:
         )
         staged = aligned(world * s * dtype.itemsize) if s != n else 0
         result = aligned(s * dtype.itemsize) if s != n else 0
-        self._buffer = owner.wire.take(staged + 2 * whole + 2 * node_sums + result)
+        sizes = [staged, whole, whole, node_sums, node_sums, result]
+        self._buffer = owner.wire.take(sum(aligned(size) for size in sizes))
         try:
-            parts = _carve(self._buffer, [staged, whole, whole, node_sums, node_sums, result])
+            parts = _carve(self._buffer, sizes)
             self._sent = packed_view(parts[1], world * s, bits, block, dtype)
             self._received = packed_view(parts[2], world * s, bits, block, dtype)
             self._partial = packed_view(parts[3], nodes * s, bits, block, dtype)

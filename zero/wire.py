@@ -1,8 +1,8 @@
 """Byte buffers for quantized collectives: the wire format of qwZ and qgZ, and a pool to reuse.
 
-A quantized tensor travels as one flat ``uint8`` buffer: its levels (``data``), then its fp32
-scales, each part starting on a 64-byte boundary so the scales can be viewed as ``float32`` in
-place. :func:`packed_nbytes` says how long that is, :func:`packed_view` builds the
+A quantized tensor travels as one flat ``uint8`` buffer: its levels (``data``), padded to a
+multiple of 4 bytes so that the fp32 scales that follow can be viewed as ``float32`` in place
+(at most 3 bytes of padding are sent). :func:`packed_nbytes` says how long that is, :func:`packed_view` builds the
 :class:`kernels.QuantizedTensor` whose parts are views of such a buffer: the kernels write and
 read it through ``out=`` and no byte is copied to assemble a message.
 
@@ -22,25 +22,26 @@ from chunkmem.residency import Residency
 from kernels import QuantizedTensor
 from kernels.quantized import data_nbytes, num_groups
 
-ALIGN = 64  # bytes: every part starts on a cache line
+ALIGN = 64  # bytes: buffers carved from a pooled one start on a cache line
+SCALES_ALIGN = 4  # bytes: where the scales start in the wire format
 
 
-def aligned(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
+def aligned(nbytes: int, alignment: int = ALIGN) -> int:
+    return -(-nbytes // alignment) * alignment
 
 
 def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
     """Bytes of a symmetric quantized tensor of ``numel`` elements in the wire format."""
-    return aligned(data_nbytes(numel, bits)) + aligned(4 * num_groups(numel, group_size))
+    return aligned(data_nbytes(numel, bits), SCALES_ALIGN) + 4 * num_groups(numel, group_size)
 
 
 def packed_view(
     buffer: torch.Tensor, numel: int, bits: int, group_size: int, dtype: torch.dtype
 ) -> QuantizedTensor:
-    """The symmetric quantized tensor stored at the start of ``buffer`` (uint8, 64-byte
-    aligned); ``dtype`` is the dtype its values came from."""
+    """The symmetric quantized tensor stored at the start of ``buffer`` (uint8, starting at a
+    multiple of 4 bytes); ``dtype`` is the dtype its values came from."""
     nbytes = data_nbytes(numel, bits)
-    start = aligned(nbytes)
+    start = aligned(nbytes, SCALES_ALIGN)
     groups = num_groups(numel, group_size)
     return QuantizedTensor(
         data=buffer[:nbytes],
