@@ -18,6 +18,14 @@ not change between steps, so the forwards of later micro-batches of an accumulat
 gather inside the node too. Every rank creates and drops its secondaries at the same points
 (when the gathered copy is dropped, by the rule every rank applies alike; at the end of a
 cycle), so every rank picks the same group for every gather.
+
+[Note: the secondary is rewritten at every drop] A gathered copy can change after it was
+filled: parameters are packed on first use, so in the first forward a layout's later
+parameters are written into its gathered copy after the earlier ones were gathered (from the
+secondary, if one was kept). A secondary kept once and never rewritten would then miss them,
+and the backward would compute on zeros where those parameters are. So every drop copies this
+rank's part again (``c/h`` elements, ``1/h`` of what the gather wrote), and
+``tests/test_zeropp.py`` checks that hpZ alone trains bit for bit like plain stage 3.
 """
 
 from __future__ import annotations
@@ -61,7 +69,8 @@ class HierarchicalGather(GatherForCompute):
         return arrival
 
     def _drop(self, gathered: Chunk) -> None:
-        """Keep this rank's part of the gathered copy, then drop it."""
+        """Keep this rank's part of the gathered copy (see the note on rewriting), then drop
+        it."""
         layout = gathered.layout
         residency = self.residency
         secondary = layout.chunks.get(ChunkKind.HPZ_SECONDARY)
@@ -74,10 +83,11 @@ class HierarchicalGather(GatherForCompute):
                 None,
                 (self.group_rank * numel, numel),
             )
+        residency.ready(gathered)
         if secondary.tier is None:
-            residency.ready(gathered)
             residency.make_room(secondary.nbytes, {gathered.id}, "hpz secondary")
             residency.allocate_payload(secondary, residency.compute, zeroed=False)
+        with residency.pinned([secondary]):
             start = secondary.start
             secondary.payload.copy_(gathered.payload[start : start + secondary.numel])
         super()._drop(gathered)
