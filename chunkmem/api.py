@@ -303,7 +303,9 @@ def _say_if_dtypes_change(
 ) -> None:
     """One logged line when the model's parameters are in another dtype than the one it will
     train in (a bf16 model under the default fp32 precision, an fp64 model)."""
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for _n, p in named if p.is_floating_point()})
+    dtypes = sorted(
+        {str(p.dtype).removeprefix("torch.") for _n, p in named if p.is_floating_point()}
+    )
     target = str(compute_dtype).removeprefix("torch.")
     if dtypes and dtypes != [target]:
         _log.warning(

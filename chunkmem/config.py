@@ -256,10 +256,11 @@ class ReportConfig(_Section):
         ("json", "html", "snapshot"), strict=False
     )
     max_move_events: int = Field(
-        200_000,
+        20_000,
         ge=0,
-        description="Chunk moves, allocations and moment samples kept for the report (the "
-        "first ones of the run); later ones are only counted.",
+        description="Chunk moves, allocations and moment samples kept for the report, each "
+        "(the first ones of the run: warm-up and the first steady iterations); later ones "
+        "are only counted, so a long run holds a bounded report (about 25 MB at most).",
     )
 
 

@@ -8,12 +8,13 @@ by tier name and built from the tiers it is given, so a new tier needs no change
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from chunkmem.errors import OutOfMemoryError
 
 WORKSPACE = "workspace"  # transient buffers the engine allocates (e.g. fp32 gradient casts)
+MOVED_ITERATIONS_KEPT = 1024
 
 
 @dataclass
@@ -107,7 +108,7 @@ class Ledger:
     def __init__(
         self,
         capacities: dict[str, int | None],
-        max_move_events: int = 200_000,
+        max_move_events: int = 20_000,
         compute: str = "device",
     ) -> None:
         if compute not in capacities:
@@ -123,8 +124,10 @@ class Ledger:
         self.moment_samples_dropped = 0
         self.iteration = 0
         self.moment_label = "init"
-        # Bytes moved into each tier, by iteration.
-        self.bytes_into: dict[str, Counter[int]] = {name: Counter() for name in self.tiers}
+        # Bytes moved into each tier: per iteration for the last ``MOVED_ITERATIONS_KEPT``
+        # iterations (a long run must not grow), and in total.
+        self._moved: OrderedDict[int, Counter[str]] = OrderedDict()
+        self.moved_total: Counter[str] = Counter()
         self._seq = 0
 
     def would_fit(self, tier: str, nbytes: int) -> bool:
@@ -182,7 +185,13 @@ class Ledger:
         self, chunk_id: int, kind: str, src: str, dst: str, nbytes: int, reason: str
     ) -> None:
         self._seq += 1
-        self.bytes_into[dst][self.iteration] += nbytes
+        moved = self._moved.get(self.iteration)
+        if moved is None:
+            moved = self._moved[self.iteration] = Counter()
+            while len(self._moved) > MOVED_ITERATIONS_KEPT:
+                self._moved.popitem(last=False)
+        moved[dst] += nbytes
+        self.moved_total[dst] += nbytes
         if len(self.moves) < self.max_move_events:
             self.moves.append(
                 MoveEvent(
@@ -217,12 +226,28 @@ class Ledger:
             )
         )
 
+    def bytes_into(self, tier: str, iteration: int) -> int:
+        """Bytes moved into ``tier`` in ``iteration`` (one of the last iterations kept)."""
+        return self._moved_in(iteration)[tier]
+
     def bytes_moved(self, iteration: int) -> int:
         """Bytes that crossed between any two tiers in ``iteration``."""
-        return sum(into[iteration] for into in self.bytes_into.values())
+        return sum(self._moved_in(iteration).values())
+
+    def _moved_in(self, iteration: int) -> Counter[str]:
+        moved = self._moved.get(iteration)
+        if moved is not None:
+            return moved
+        if self._moved and iteration < next(iter(self._moved)):
+            raise KeyError(
+                f"iteration {iteration} left the ledger's window of the last "
+                f"{MOVED_ITERATIONS_KEPT} iterations; moved_total has the run's totals"
+            )
+        return Counter()
 
     def iterations_with_moves(self) -> list[int]:
-        return sorted({i for into in self.bytes_into.values() for i, n in into.items() if n})
+        """The iterations kept (see ``bytes_into``) in which bytes moved."""
+        return [i for i, moved in self._moved.items() if any(moved.values())]
 
     def describe(self, tier: str) -> str:
         account = self.tiers[tier]

@@ -28,7 +28,7 @@ def test_moves_are_counted_per_iteration_and_direction() -> None:
     ledger.record_move(1, "param", "device", "host", 64, "evict")
     ledger.record_move(2, "grad", "host", "device", 32, "fetch")
     assert ledger.bytes_moved(0) == 64
-    assert (ledger.bytes_into["device"][1], ledger.bytes_into["host"][1]) == (32, 64)
+    assert (ledger.bytes_into("device", 1), ledger.bytes_into("host", 1)) == (32, 64)
     assert [m.reason for m in ledger.moves] == ["fetch", "evict", "fetch"]
 
 
@@ -36,3 +36,17 @@ def test_free_below_zero_is_a_bug_not_silence() -> None:
     ledger = Ledger({"device": None, "host": None})
     with pytest.raises(AssertionError, match="underflow"):
         ledger.free("host", "param", 1, "chunk 0")
+
+
+def test_bytes_moved_per_iteration_are_kept_for_a_bounded_window(monkeypatch) -> None:
+    from chunkmem import ledger as ledger_module
+
+    monkeypatch.setattr(ledger_module, "MOVED_ITERATIONS_KEPT", 3)
+    ledger = Ledger({"device": None, "host": None})
+    for iteration in range(10):
+        ledger.iteration = iteration
+        ledger.record_move(1, "param", "host", "device", 8, "fetch")
+    assert ledger.iterations_with_moves() == [7, 8, 9]
+    assert ledger.bytes_moved(9) == 8 and ledger.moved_total["device"] == 80
+    with pytest.raises(KeyError, match="left the ledger's window"):
+        ledger.bytes_moved(2)

@@ -172,7 +172,7 @@ def test_json_moves_add_up_to_the_ledger_bytes_moved_per_iteration(run, doc) -> 
         assert moved[iteration] == ledger.bytes_moved(iteration)
     into = ledger.bytes_into
     assert doc["bytes_moved"] == [
-        {"iteration": i, "to_device": into["device"][i], "to_host": into["host"][i]}
+        {"iteration": i, "to_device": into("device", i), "to_host": into("host", i)}
         for i in iterations
     ]
 

@@ -72,7 +72,7 @@ def test_a_chunk_moves_through_a_new_tier_with_exact_accounting() -> None:
         ("pool", "host"),
         ("host", "device"),
     ]
-    assert {name: into[0] for name, into in ledger.bytes_into.items()} == {
+    assert {name: ledger.bytes_into(name, 0) for name in ledger.tiers} == {
         "device": 1024,
         "host": 1024,
         "pool": 1024,

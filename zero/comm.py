@@ -32,6 +32,7 @@ for some dtypes and not others is a trap. Averaging is the caller's division aft
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 import time
 from collections import OrderedDict, deque
@@ -73,19 +74,6 @@ _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
 def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
     return CollectiveError(
         op, group.name, group.ranks, time.monotonic() - launched_at, group.timeout_s, cause
-    )
-
-
-def _diagnosed(identity: CollectiveIdentity, group: Group, cause: str) -> str:
-    """A timed-out wait: where every peer is, if they say (see ``zero.identity``)."""
-    if group.size == 1:
-        return cause
-    answers = diagnose(
-        identity, group.ranks, group.ranks[group.rank], group.process_group,
-        min(10.0, group.timeout_s),
-    )  # fmt: skip
-    return mismatch_message(identity, group.ranks[group.rank], answers) or (
-        f"{cause} (every peer says it is at the same {identity.describe()})"
     )
 
 
@@ -246,14 +234,14 @@ class Handle:
         group: Group,
         work: dist.Work,
         launched_at: float,
-        identity: CollectiveIdentity | None = None,
+        explain_timeout: Callable[[str], str] | None = None,
         before_wait: Callable[[], None] | None = None,
     ) -> None:
         self._op = op
         self._group = group
         self._work: dist.Work | None = work
         self._launched_at = launched_at
-        self._identity = identity
+        self._explain_timeout = explain_timeout  # asks the peers where they are
         self._before_wait = before_wait  # the identity check of an NCCL collective
         self._error: CollectiveError | None = None
 
@@ -276,8 +264,8 @@ class Handle:
             work.wait(timeout=timedelta(seconds=self._group.timeout_s))
         except RuntimeError as cause:
             reason = str(cause)
-            if self._identity is not None:
-                reason = _diagnosed(self._identity, self._group, reason)
+            if self._explain_timeout is not None:
+                reason = self._explain_timeout(reason)
             self._error = _failure(self._op, self._group, self._launched_at, reason)
             raise self._error from cause
 
@@ -305,6 +293,25 @@ class Communicator:
         self.cycle = 0
         self._groups = {world.name: world}
         self._sequence: dict[str, int] = {}
+        # Its own gloo connections: a timed-out collective closes its group's connections to
+        # the peer, and the peers must still be asked where they are (``_explain``).
+        self._diagnosis = (
+            dist.new_group(
+                list(world.ranks), timeout=timedelta(seconds=world.timeout_s), backend="gloo"
+            )
+            if world.size > 1
+            else None
+        )
+
+    def _explain(self, identity: CollectiveIdentity, group: Group, cause: str) -> str:
+        """A timed-out wait: where every peer is, if they say (see ``zero.identity``)."""
+        if group.size == 1 or self._diagnosis is None:
+            return cause
+        me = group.ranks[group.rank]
+        answers = diagnose(identity, group.ranks, me, self._diagnosis, min(10.0, group.timeout_s))
+        return mismatch_message(identity, me, answers) or (
+            f"{cause} (every peer says it is at the same {identity.describe()})"
+        )
 
     @contextlib.contextmanager
     def serving(self, phase: str) -> Iterator[None]:
@@ -641,8 +648,8 @@ class Communicator:
         right = group.ranks[(group.rank + 1) % group.size]
         return 0 if topology.same_node(me, right) else elements_sent
 
-    @staticmethod
     def _launch(
+        self,
         op: str,
         group: Group,
         start: Callable[[], dist.Work],
@@ -654,7 +661,10 @@ class Communicator:
             work = start()
         except RuntimeError as cause:
             raise _failure(op, group, launched_at, str(cause)) from cause
-        return Handle(op, group, work, launched_at, identity, before_wait)
+        explain = None
+        if identity is not None:
+            explain = functools.partial(self._explain, identity, group)
+        return Handle(op, group, work, launched_at, explain, before_wait)
 
 
 def padded_numel(numel: int, multiple: int) -> int:

@@ -122,24 +122,31 @@ def diagnose(
     peers = [r for r in ranks if r != rank]
     payload = mine.encode()
     received = {peer: torch.empty(FIELDS, dtype=torch.int64) for peer in peers}
-    works = []
+    sends, receives = [], []
     for peer in peers:
         try:  # a dead peer's connection may refuse even the posting
-            dist.isend(payload, peer, group=process_group, tag=DIAGNOSE_TAG)
-            works.append(
+            sends.append(dist.isend(payload, peer, group=process_group, tag=DIAGNOSE_TAG))
+            receives.append(
                 (peer, dist.irecv(received[peer], peer, group=process_group, tag=DIAGNOSE_TAG))
             )
         except RuntimeError:
             continue
     answers: dict[int, CollectiveIdentity | None] = dict.fromkeys(peers)
     deadline = time.monotonic() + timeout_s
-    for peer, work in works:
-        left = deadline - time.monotonic()
-        try:
-            if left <= 0:
-                raise RuntimeError("no time left")
-            work.wait(timeout=timedelta(seconds=left))
-        except RuntimeError:
-            continue
-        answers[peer] = CollectiveIdentity.decode(received[peer])
+    for peer, work in receives:
+        if _finished(work, deadline):
+            answers[peer] = CollectiveIdentity.decode(received[peer])
+    for work in sends:  # a send dropped unfinished may never reach the peer
+        _finished(work, deadline)
     return answers
+
+
+def _finished(work: dist.Work, deadline: float) -> bool:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    try:
+        work.wait(timeout=timedelta(seconds=left))
+    except RuntimeError:
+        return False
+    return True

@@ -68,7 +68,7 @@ def build_memory_trace(summary: RunSummary, ledger: Ledger) -> dict[str, Any]:
         "bytes_moved": [
             {
                 "iteration": iteration,
-                **{direction(tier): into[iteration] for tier, into in ledger.bytes_into.items()},
+                **{direction(tier): ledger.bytes_into(tier, iteration) for tier in ledger.tiers},
             }
             for iteration in ledger.iterations_with_moves()
         ],
