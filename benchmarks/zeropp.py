@@ -58,6 +58,7 @@ FULL = {
     "local_batch": 1, "warmup": 2, "steps": 4, "rounds": 3,
     "rates": ["1gbit", "10gbit"], "emulated": list(CONFIGS),
     "converge": {"steps": 300, "precisions": ["fp32", "bf16"], "local_batch": 8, "seq": 64,
+                 "lr": 3e-3,
                  "model": {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_embd": 128,
                            "n_head": 2}},
 }  # fmt: skip
@@ -68,6 +69,9 @@ QUICK = {
     "converge": None,
 }  # fmt: skip
 WORKER_TIMEOUT_S = 900
+# Plain stage 3 from initial weights changed by about 1e-6 relative: how far two runs that
+# differ by far less than any quantization drift apart (the convergence benchmark's control).
+CONTROL = "zero3_nudged"
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 
 
@@ -94,15 +98,18 @@ def _worker(spec_path: str) -> None:
     for _round in range(spec["rounds"]):
         for name in spec["configs"]:
             torch.manual_seed(0)
+            model = GPT(model_config)
+            if name == CONTROL:
+                _nudge(model)
             engine = chunkmem.initialize(
-                GPT(model_config),
+                model,
                 config={
                     "precision": spec["precision"],
                     "device": {"type": "simulated", "capacity": "8GiB"},
                     "optimizer": {"lr": spec["lr"], "weight_decay": 0.1},
                     "gradient_clipping": 1.0,
                     "zero": {"stage": 3, "timeout_s": 600, "node_size": PER_NODE,
-                             **CONFIGS[name]},
+                             **CONFIGS[name if name != CONTROL else "zero3"]},
                 },
             )  # fmt: skip
             ledger = engine.states.sharding.comm.ledger
@@ -133,6 +140,15 @@ def _worker(spec_path: str) -> None:
     out.write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _nudge(model) -> None:
+    import torch
+
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.mul_(1 + 1e-6 * torch.randn(param.shape, generator=generator))
 
 
 def _random_batches(spec: dict, config, rank: int):
@@ -376,20 +392,24 @@ def _timed(what: str) -> Iterator[None]:
 
 # ---------------------------------------------------------------- convergence
 def convergence(setup: dict) -> dict:
+    """Plain stage 3, full ZeRO++ and the control on the same batches; the final loss is the
+    mean of the last 20 steps' losses (each the mean over ranks)."""
+    names = ("zero3", "zeropp", CONTROL)
     out = {}
     for precision in setup["precisions"]:
         spec = {
-            "mode": "converge", "configs": ["zero3", "zeropp"], "model": setup["model"],
-            "precision": precision, "lr": 3e-3, "local_batch": setup["local_batch"],
+            "mode": "converge", "configs": list(names), "model": setup["model"],
+            "precision": precision, "lr": setup["lr"], "local_batch": setup["local_batch"],
             "seq": setup["seq"], "warmup": 0, "steps": setup["steps"], "rounds": 1,
         }  # fmt: skip
         with _timed(f"convergence {precision}"):
             results = launch(spec, None)
-        curves = {name: results[name]["rounds"][0]["losses"] for name in ("zero3", "zeropp")}
+        curves = {name: results[name]["rounds"][0]["losses"] for name in names}
         final = {name: sum(c[-20:]) / len(c[-20:]) for name, c in curves.items()}
         out[precision] = {
             "final_loss": final,
             "final_loss_rel_diff": abs(final["zeropp"] - final["zero3"]) / final["zero3"],
+            "control_final_loss_rel_diff": abs(final[CONTROL] - final["zero3"]) / final["zero3"],
             "max_loss_over_running_min_after_50": {
                 name: _spike(curve, after=50) for name, curve in curves.items()
             },

@@ -20,6 +20,7 @@ from torch import nn
 import chunkmem
 from chunkmem.chunk import ChunkKind
 from chunkmem.models.gpt import GPT, GPTConfig
+from chunkmem.report.memory_trace import build_memory_trace
 from kernels.quantized import data_nbytes, num_groups
 from tests.distributed_helpers import run_ranks
 from zero.gather import Then
@@ -119,6 +120,8 @@ def train(comm, model: str, precision: str, zero: dict, blocks: int | None, accu
                 secondary_bytes = sum(t.by_kind[kind] for t in engine.ledger.tiers.values())
             engine.step()
     comm_ledger = engine.states.sharding.comm.ledger
+    report = build_memory_trace(engine.run_summary(), engine.ledger)
+    kind = ChunkKind.HPZ_SECONDARY.value
     identical = [
         torch.equal(
             gathers[(MEASURED, "fwd", index)].view(torch.uint8),
@@ -137,6 +140,11 @@ def train(comm, model: str, precision: str, zero: dict, blocks: int | None, accu
         "identical": identical,
         "losses": losses,
         "state": engine.state_dict(),
+        "report_secondary_peak": max(
+            sum(moment[tier]["by_kind"].get(kind, 0) for tier in engine.ledger.tiers)
+            for moment in report["moments"]
+        ),
+        "report_kinds": report["kinds"],
     }
 
 
@@ -207,7 +215,11 @@ def _check(results, precision: str, zero: dict, blocks: int, plain_losses=None) 
         assert _measured(result) == want, f"rank {rank}, {zero}"
         if zero.get("hpz_partition_size", 1) > 1:
             itemsize = ITEMSIZE[precision]
-            assert result["secondary_bytes"] == sum(result["capacities"]) // 2 * itemsize
+            secondaries = sum(result["capacities"]) // 2 * itemsize
+            assert result["secondary_bytes"] == secondaries
+            # The report shows them as a kind of their own, at most that much at any moment.
+            assert "hpz_secondary" in result["report_kinds"]
+            assert result["report_secondary_peak"] == secondaries
             assert result["secondary_after_step"] == 0, "the step drops the secondaries"
             assert result["identical"] and all(result["identical"]), (
                 f"rank {rank}: a backward gather differs from the forward's"
