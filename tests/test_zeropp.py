@@ -37,8 +37,20 @@ ALL = {**QWZ, **HPZ, **QGZ}
 ITEMSIZE = {"fp32": 4, "bf16": 2}
 
 
+class _FailInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise RuntimeError("injected backward failure")
+
+
 class OddSizes(nn.Module):
     """A 1-element gain, a 1001-element parameter and shapes that divide nothing."""
+
+    fail_backward = False  # raise in backward after the upper layers' gradients exist
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,6 +62,8 @@ class OddSizes(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         h = self.embed(idx) * self.gain
+        if self.fail_backward:
+            h = _FailInBackward.apply(h)
         h = torch.tanh(self.hidden(h) + self.offsets.view(77, 13).mean(0).repeat(3))
         logits = self.head(h).float()
         return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
@@ -304,3 +318,44 @@ def test_qgz_reduces_stage2_gradients() -> None:
         )
         for ours, theirs in zip(result["losses"], plain[rank]["losses"], strict=True):
             assert abs(ours - theirs) <= 0.02 * theirs
+
+
+def train_through_a_failure(comm, fail: bool) -> dict:
+    """Full ZeRO++; batch 2's backward raises on every rank (``fail``) or batch 2 is skipped."""
+    torch.manual_seed(0)
+    engine = chunkmem.initialize(
+        OddSizes(),
+        config={
+            "precision": "bf16",
+            "device": {"type": "simulated", "capacity": "64MiB"},
+            "chunk": {"size": 1000},
+            "zero": {"stage": 3, "timeout_s": 30, "node_size": PER_NODE, **ALL},
+        },
+    )
+    for step in range(5):
+        if step == 2:
+            if not fail:
+                continue
+            engine.module.fail_backward = True
+            with pytest.raises(RuntimeError, match="injected backward failure"):
+                engine.backward(engine(*_batch(step, comm.rank, 37)))
+            engine.module.fail_backward = False
+            held = [c for c in engine.residency.chunks.values() if c.pins or c.arriving]
+            assert not held, held
+            continue
+        engine.backward(engine(*_batch(step, comm.rank, 37)))
+        engine.step()
+    return engine.state_dict()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_failed_backward_under_zeropp_changes_nothing() -> None:
+    """Quantized reductions and gathers in flight are waited for and release their buffers and
+    pins, the secondaries are dropped, and training goes on exactly as if the batch had been
+    skipped."""
+    failed = run_ranks(train_through_a_failure, WORLD, True, timeout_s=30)
+    skipped = run_ranks(train_through_a_failure, WORLD, False, timeout_s=30)
+    for ours, theirs in zip(failed, skipped, strict=True):
+        for name, value in theirs.items():
+            assert torch.equal(ours[name], value), name
