@@ -409,6 +409,7 @@ def convergence(setup: dict) -> dict:
         out[precision] = {
             "final_loss": final,
             "final_loss_rel_diff": abs(final["zeropp"] - final["zero3"]) / final["zero3"],
+            "final_loss_rel_change": (final["zeropp"] - final["zero3"]) / final["zero3"],
             "control_final_loss_rel_diff": abs(final[CONTROL] - final["zero3"]) / final["zero3"],
             "max_loss_over_running_min_after_50": {
                 name: _spike(curve, after=50) for name, curve in curves.items()
