@@ -58,7 +58,7 @@ FULL = {
     "local_batch": 1, "warmup": 2, "steps": 4, "rounds": 3,
     "rates": ["1gbit", "10gbit"], "emulated": list(CONFIGS),
     "converge": {"steps": 300, "precisions": ["fp32", "bf16"], "local_batch": 8, "seq": 64,
-                 "lr": 3e-3,
+                 "lr": 1e-3,
                  "model": {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_embd": 128,
                            "n_head": 2}},
 }  # fmt: skip
