@@ -260,11 +260,18 @@ def load_cpu(extra_flags: Sequence[str] = ()) -> NativeKernels:
     `extra_flags` follow CPU_FLAGS; the tests pass `-mno-avx2` to build the scalar-only library
     that CPUs without AVX2 get (quant_avx2.h).
     """
+    lib, path = build_and_load_cpu(
+        "chunkmem_quant_cpu", "quant_cpu.cpp", [*CPU_FLAGS, *extra_flags]
+    )
+    return NativeKernels(lib, "cmq_cpu_", path)
+
+
+def build_and_load_cpu(name: str, source: str, flags: Sequence[str]) -> tuple[ctypes.CDLL, Path]:
+    """lib<name>.so from CSRC/``source``, compiled with $CXX (g++) and ``flags`` for this CPU on a
+    cache miss, loaded; BuildError says why it cannot be."""
     compiler = find_tool("CXX", "g++")
-    flags = [*CPU_FLAGS, *extra_flags]
-    path = build("chunkmem_quant_cpu", compiler, CSRC / "quant_cpu.cpp", flags, _cpu_identity())
+    path = build(name, compiler, CSRC / source, list(flags), _cpu_identity())
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path)), path
     except OSError as e:
         raise BuildError(f"cannot load {path}: {e}") from e
-    return NativeKernels(lib, "cmq_cpu_", path)

@@ -122,6 +122,17 @@ def test_collectives_are_exact_on_two_ranks() -> None:
     assert run_ranks(_collectives_on_world, 2) == [None, None]
 
 
+def _collectives_on_gloo_builtins(comm: Communicator) -> None:
+    comm.rings = False  # the transport switch zero.transport: builtin
+    _check_collectives(comm, comm.world)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_collectives_are_exact_on_gloos_own_collectives_too() -> None:
+    assert run_ranks(_collectives_on_gloo_builtins, 2) == [None, None]
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 def test_collectives_are_exact_on_four_ranks_and_on_two_rank_subgroups() -> None:

@@ -284,8 +284,11 @@ class Communicator:
     engine's cycle number, part of every collective's identity (see ``zero.identity``).
     """
 
-    def __init__(self, world: Group, ledger: CommLedger | None = None) -> None:
+    def __init__(
+        self, world: Group, ledger: CommLedger | None = None, *, rings: bool = True
+    ) -> None:
         self.world = world
+        self.rings = rings  # gloo gathers and reduce-scatters as point-to-point rings
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
         self.phase = ""
@@ -394,11 +397,11 @@ class Communicator:
             numel * (g.size - 1) // g.size,
             lambda tag: (
                 ring(full, shard, g.ranks, g.rank, g.process_group, reduce=False, tag=tag)
-                if _is_gloo(g)
+                if self._use_ring(g)
                 else _ALL_GATHER(full, shard, group=g.process_group, async_op=True)
             ),
             async_op,
-            ring=_is_gloo(g),
+            ring=self._use_ring(g),
         )
 
     def reduce_scatter(
@@ -416,13 +419,13 @@ class Communicator:
             numel * (g.size - 1) // g.size,
             lambda tag: (
                 ring(full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=tag)
-                if _is_gloo(g)
+                if self._use_ring(g)
                 else _REDUCE_SCATTER(
                     shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True
                 )
             ),
             async_op,
-            ring=_is_gloo(g),
+            ring=self._use_ring(g),
         )
 
     def all_reduce(
@@ -492,8 +495,9 @@ class Communicator:
         block ``k`` of ``received[i]``. All buffers share one dtype; ``received[i]`` has the
         numel of ``send[i]``.
 
-        Runs as point-to-point messages on gloo (like the rings) under the collective's
-        identity tag, and as ``all_to_all_single`` per buffer on NCCL. At most two buffers (a
+        Runs as point-to-point messages on gloo (like the rings, and like them only when
+        ``rings`` is on) under the collective's identity tag, and as ``all_to_all_single`` per
+        buffer otherwise. At most two buffers (a
         quantized tensor's levels and scales): the second travels under a tag of its own
         (``zero.ring.AllToAllWork``).
         """
@@ -521,7 +525,7 @@ class Communicator:
         if len(send) > 2:
             raise ValueError(f"all_to_all: at most 2 buffers per call, got {len(send)}")
         numel = sum(t.numel() for t in send)
-        gloo = _is_gloo(g)
+        gloo = self._use_ring(g)
         return self._run(
             "all_to_all",
             g,
@@ -578,6 +582,9 @@ class Communicator:
         self._record("barrier", g, 0, 0, None)
         # Every member at the same collective: that gather is the barrier.
         self._start_agreement(self._identity("barrier", g, 0, None), g)()
+
+    def _use_ring(self, group: Group) -> bool:
+        return self.rings and _is_gloo(group)
 
     def _member(self, op: str, group: Group | None) -> Group:
         g = self.world if group is None else group
@@ -741,7 +748,7 @@ class _Works:
 
 
 def _all_to_all_single(send: list[Tensor], received: list[Tensor], group: Group) -> _Works:
-    """NCCL: one builtin all-to-all per buffer."""
+    """One builtin all-to-all per buffer (NCCL, or gloo without rings)."""
     return _Works(
         [
             dist.all_to_all_single(into, out, group=group.process_group, async_op=True)
