@@ -502,4 +502,6 @@ def test_a_ring_wait_has_one_timeout_for_all_its_steps(monkeypatch) -> None:
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="step 3 of 3|Timed out"):
         ring.wait(timedelta(seconds=1.0))
-    assert time.monotonic() - start < 1.2
+    # The raise shows the single deadline (a timeout per step lets all three 0.4 s steps
+    # finish); this bound catches a wait that overran it, with room for a loaded machine.
+    assert time.monotonic() - start < 1.8

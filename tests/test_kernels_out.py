@@ -231,3 +231,36 @@ def test_out_must_not_overlap_the_inputs():
     )
     with pytest.raises(ValueError, match=r"out.scales shares memory with inputs\[0\].scales"):
         kernels.dequant_reduce_requant([q, q], out=over_scales)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits, symmetric", FORMATS)
+def test_cuda_ops_into_out_match_allocating_path(bits, symmetric):
+    """The same checks on CUDA tensors with backend="cuda" (skipped without a GPU)."""
+    kw = dict(bits=bits, group_size=GROUP, symmetric=symmetric, backend="cuda")
+    x = _x(torch.bfloat16).cuda()
+    expected = kernels.quantize(x, **kw)
+    out = _empty(expected.numel, bits, GROUP, symmetric, x.dtype, device="cuda")
+    _assert_is(kernels.quantize(x, **kw, out=out), out)
+    assert_same_quantized(out, expected, "cuda quantize")
+
+    topology = dict(nodes=2, devices_per_node=2)
+    expected = kernels.swizzled_quantize(x, **topology, **kw)
+    out = _empty(expected.numel, bits, GROUP, symmetric, x.dtype, device="cuda")
+    _assert_is(kernels.swizzled_quantize(x, **topology, **kw, out=out), out)
+    assert_same_quantized(out, expected, "cuda swizzled_quantize")
+
+    inputs = [kernels.quantize(_x(seed=k).cuda(), **kw) for k in range(3)]
+    for out_dtype in (torch.float32, torch.bfloat16):
+        expected_values = kernels.dequant_reduce(inputs, out_dtype=out_dtype, backend="cuda")
+        values = torch.full((NUMEL,), 123.0, dtype=out_dtype, device="cuda")
+        _assert_is(kernels.dequant_reduce(inputs, backend="cuda", out=values), values)
+        assert_same_bits(values, expected_values, "cuda dequant_reduce")
+        expected_values = kernels.dequantize(inputs[0], out_dtype=out_dtype, backend="cuda")
+        _assert_is(kernels.dequantize(inputs[0], backend="cuda", out=values), values)
+        assert_same_bits(values, expected_values, "cuda dequantize")
+
+    expected = kernels.dequant_reduce_requant(inputs, backend="cuda")
+    out = _empty(NUMEL, bits, GROUP, symmetric, inputs[0].dtype, device="cuda")
+    _assert_is(kernels.dequant_reduce_requant(inputs, backend="cuda", out=out), out)
+    assert_same_quantized(out, expected, "cuda dequant_reduce_requant")
