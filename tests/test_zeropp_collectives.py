@@ -87,6 +87,16 @@ def _all_to_all_and_ledger(comm: Communicator) -> dict:
                     expected = torch.arange(group.rank * block, (group.rank + 1) * block)
                     expected += (100 if i == 0 else 1000) * sender
                     assert torch.equal(t[k * block : (k + 1) * block], expected), (name, i, k)
+    # zero.transport "builtin": gloo's own all_to_all_single, one per buffer.
+    builtin = Communicator(comm.world, rings=False)
+    send = [torch.arange(2 * WORLD) + 100 * me, torch.arange(WORLD) + 1000 * me]
+    received = [torch.empty_like(t) for t in send]
+    builtin.all_to_all(send, received, async_op=True).wait()
+    for k in range(WORLD):
+        assert torch.equal(
+            received[0][2 * k : 2 * k + 2], torch.arange(2 * me, 2 * me + 2) + 100 * k
+        )
+        assert int(received[1][k]) == me + 1000 * k
     full = torch.empty(8 * WORLD)
     with comm.serving("fwd"):
         comm.all_gather(torch.full((8,), float(me)), full)
