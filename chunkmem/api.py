@@ -115,7 +115,7 @@ def initialize(
         from zero.strategy import ZeroStrategy
 
         check_ranks_agree(comm, fingerprint(model, config, choice.size))
-        strategy = ZeroStrategy(config.zero.stage, comm, device.torch_device)
+        strategy = ZeroStrategy(config.zero, comm, device.torch_device)
 
     state_dtype = _STATE_DTYPES[config.offload.state_dtype]
     if state_dtype != torch.float32 and native_host_optimizer() is None:

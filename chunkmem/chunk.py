@@ -26,6 +26,9 @@ class ChunkKind(FastHashEnum):
     GRAD = "grad"  # gradients of the whole layout, when they cannot reuse the parameter slot
     GRAD_SHARD = "grad_shard"  # this rank's reduced gradient shard (ZeRO)
     GATHERED = "gathered"  # a layout's parameters all-gathered for compute (ZeRO-3)
+    # ZeRO++ hpZ: this rank's part of a forward-gathered copy, kept inside its node group
+    # until the optimizer step so that the backward gather does not cross nodes.
+    HPZ_SECONDARY = "hpz_secondary"
     MASTER = "master"  # fp32 master parameters (bf16/fp16 training only)
     EXP_AVG = "exp_avg"
     EXP_AVG_SQ = "exp_avg_sq"
@@ -33,7 +36,13 @@ class ChunkKind(FastHashEnum):
 
 # Placed on the fly by the placement policy; optimizer states have a fixed home instead.
 DYNAMIC_KINDS = frozenset(
-    {ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.GRAD_SHARD, ChunkKind.GATHERED}
+    {
+        ChunkKind.PARAM,
+        ChunkKind.GRAD,
+        ChunkKind.GRAD_SHARD,
+        ChunkKind.GATHERED,
+        ChunkKind.HPZ_SECONDARY,
+    }
 )
 
 

@@ -319,6 +319,72 @@ class ZeroConfig(_Section):
         description="Every collective fails after this long, naming the operation and the "
         "group, instead of hanging when a peer rank died or hung.",
     )
+    node_size: int | None = Field(
+        None,
+        ge=1,
+        description="Ranks per node (consecutive global ranks share a node). null: torchrun's "
+        "LOCAL_WORLD_SIZE, or one node when it is unset. Set it to emulate nodes on one "
+        "machine (4 ranks as 2 nodes x 2). The communication ledger splits every "
+        "collective's bytes into intra-node and cross-node by it.",
+    )
+    quantized_weights: bool | Literal["int8", "int4"] = Field(
+        False,
+        description="ZeRO++ qwZ (stage 3): parameter all-gathers send block-quantized values "
+        "plus one fp32 scale per block, dequantized into the gathered chunk. true means int8. "
+        "Halves (int8) or quarters (int4) the 16-bit gather bytes; every rank computes on "
+        "the same dequantized values, while shards and fp32 masters stay exact "
+        "(docs/zeropp.md gives the error bound).",
+    )
+    quantized_weights_block_size: int = Field(
+        256,
+        ge=2,
+        description="Elements per qwZ block (one fp32 scale each): smaller blocks are more "
+        "accurate and send 4 bytes of scale per block more.",
+    )
+    hpz_partition_size: int = Field(
+        1,
+        ge=1,
+        description="ZeRO++ hpZ (stage 3): after the forward gather each rank keeps 1/this of "
+        "the gathered parameters, so the backward gather runs inside groups of this many "
+        "consecutive ranks (a divisor of the node size) and never crosses nodes. 1: off. "
+        "Costs 16-bit params / this size per rank until the optimizer step.",
+    )
+    quantized_gradients: bool | Literal["int4", "int8"] = Field(
+        False,
+        description="ZeRO++ qgZ: the gradient reduce-scatter becomes a hierarchical "
+        "all-to-all of block-quantized gradients (intra-node, then across nodes), summed in "
+        "fp32. true means int4, a quarter of 16-bit gradient bytes across nodes.",
+    )
+    quantized_gradients_block_size: int = Field(
+        256,
+        ge=2,
+        description="Elements per qgZ block (one fp32 scale each).",
+    )
+
+    @model_validator(mode="after")
+    def _zeropp_needs_its_stage(self) -> ZeroConfig:
+        stage3 = {
+            "quantized_weights": self.quantized_weights is not False,
+            "hpz_partition_size": self.hpz_partition_size > 1,
+        }
+        for key, on in stage3.items():
+            if on and self.stage != 3:
+                raise ValueError(
+                    f"zero.{key} gathers stage-3 parameters; it needs zero.stage 3, got "
+                    f"stage {self.stage}"
+                )
+        if self.quantized_gradients is not False and self.stage == 0:
+            raise ValueError(
+                "zero.quantized_gradients reduces gradients across ranks; it needs "
+                "zero.stage 1, 2 or 3, got stage 0"
+            )
+        for key in ("quantized_weights_block_size", "quantized_gradients_block_size"):
+            if getattr(self, key) % 2:
+                raise ValueError(
+                    f"zero.{key} must be even (int4 packs two values per byte and every block "
+                    f"starts on a byte), got {getattr(self, key)}"
+                )
+        return self
 
 
 class ReportConfig(_Section):

@@ -15,6 +15,15 @@ waiting rank. NCCL's wait with a timeout blocks the host until the collective co
 watchdog aborts it at the timeout); overlap comes from launching with ``async_op=True`` early
 and waiting late, not from a non-blocking wait.
 
+[Note: intra-node and cross-node bytes]
+With a `Topology` set (``zero.topology``; ZeRO sets it at initialize), every record also says
+how many of its bytes go to ranks on another node, under the same algorithm model as
+``elements_sent``: a ring collective (all_gather, reduce_scatter, all_reduce, the object gather)
+sends everything to the next rank of the group, so it is cross-node exactly on the ranks whose
+right neighbour sits on another node; a broadcast root sends to its right neighbour too; an
+all_to_all sends one block to every other member. ``phase`` (forward, backward, step) is stamped
+like ``tag``, so a step's cross-node bytes can be read per operation and phase.
+
 [Note: only sum, max and min]
 gloo cannot average integer tensors (the int8/uint8 AVG cast fails), and an average that works
 for some dtypes and not others is a trap. Averaging is the caller's division after a sum.
@@ -22,11 +31,12 @@ for some dtypes and not others is a trap. Averaging is the caller's division aft
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -37,7 +47,8 @@ from torch import Tensor
 from chunkmem.errors import CollectiveError
 from zero.identity import FIELDS, CollectiveIdentity, diagnose, mismatch_message
 from zero.process_group import Group, create_group, init_world
-from zero.ring import HostStagedRing, RingWork
+from zero.ring import AllToAllWork, HostStagedRing, RingWork
+from zero.topology import Topology
 
 __all__ = [
     "CollectiveError",
@@ -72,8 +83,10 @@ class CollectiveRecord:
 
     ``elements_sent`` is theory, not a measurement: all_gather and reduce_scatter send
     ``numel * (n - 1) / n`` per rank, all_reduce ``2 * numel * (n - 1) / n`` (rounded down when
-    ``numel`` is not a multiple of ``n``), broadcast ``numel`` from the root and 0 elsewhere.
-    A group of one sends nothing. A barrier records 0 elements and dtype ``""``.
+    ``numel`` is not a multiple of ``n``), broadcast ``numel`` from the root and 0 elsewhere,
+    all_to_all ``numel * (n - 1) / n``. A group of one sends nothing. A barrier records 0
+    elements and dtype ``""``. ``cross_node_bytes`` is the part of ``bytes_sent`` that goes to
+    ranks on another node (see the note on intra-node and cross-node bytes).
     """
 
     op: str
@@ -83,6 +96,12 @@ class CollectiveRecord:
     bytes_sent: int
     dtype: str
     tag: int
+    cross_node_bytes: int = 0
+    phase: str = ""
+
+    @property
+    def intra_node_bytes(self) -> int:
+        return self.bytes_sent - self.cross_node_bytes
 
 
 @dataclass
@@ -98,42 +117,56 @@ class CommLedger:
     max_tags: int = 64
     records: deque[CollectiveRecord] = field(default_factory=deque)
     records_dropped: int = 0
-    _totals: dict[tuple[str, str], list[int]] = field(default_factory=dict)
-    _by_tag: OrderedDict[int, dict[tuple[str, str], list[int]]] = field(default_factory=OrderedDict)
+    # (op, group, phase) -> [calls, elements sent, bytes sent, cross-node bytes]
+    _totals: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    _by_tag: OrderedDict[int, dict[tuple[str, str, str], list[int]]] = field(
+        default_factory=OrderedDict
+    )
 
     def add(self, record: CollectiveRecord) -> None:
         self.records.append(record)
         if len(self.records) > self.max_records:
             self.records.popleft()
             self.records_dropped += 1
-        key = (record.op, record.group)
+        key = (record.op, record.group, record.phase)
         tag_totals = self._by_tag.get(record.tag)
         if tag_totals is None:
             tag_totals = self._by_tag[record.tag] = {}
             while len(self._by_tag) > self.max_tags:
                 self._by_tag.popitem(last=False)
         for totals in (self._totals, tag_totals):
-            row = totals.setdefault(key, [0, 0, 0])
+            row = totals.setdefault(key, [0, 0, 0, 0])
             row[0] += 1
             row[1] += record.elements_sent
             row[2] += record.bytes_sent
+            row[3] += record.cross_node_bytes
 
-    def _sum(self, column: int, op: str | None, group: str | None, tag: int | None) -> int:
+    def _rows(self, tag: int | None) -> dict[tuple[str, str, str], list[int]]:
         if tag is None:
-            totals = self._totals
-        elif tag in self._by_tag:
-            totals = self._by_tag[tag]
-        elif self._by_tag and tag < next(iter(self._by_tag)):
+            return self._totals
+        if tag in self._by_tag:
+            return self._by_tag[tag]
+        if self._by_tag and tag < next(iter(self._by_tag)):
             raise KeyError(
                 f"tag {tag} left the ledger's window of the last {self.max_tags} tags; read a "
                 f"step's volume while it is recent, or raise CommLedger.max_tags"
             )
-        else:
-            return 0
+        return {}
+
+    def _sum(
+        self,
+        column: int,
+        op: str | None,
+        group: str | None,
+        tag: int | None,
+        phase: str | None = None,
+    ) -> int:
         return sum(
             row[column]
-            for (row_op, row_group), row in totals.items()
-            if (op is None or row_op == op) and (group is None or row_group == group)
+            for (row_op, row_group, row_phase), row in self._rows(tag).items()
+            if (op is None or row_op == op)
+            and (group is None or row_group == group)
+            and (phase is None or row_phase == phase)
         )
 
     def elements_sent(
@@ -146,12 +179,50 @@ class CommLedger:
     ) -> int:
         return self._sum(2, op, group, tag)
 
+    def cross_node_bytes(
+        self,
+        *,
+        op: str | None = None,
+        group: str | None = None,
+        tag: int | None = None,
+        phase: str | None = None,
+    ) -> int:
+        """Bytes this rank sent to ranks on other nodes."""
+        return self._sum(3, op, group, tag, phase)
+
+    def intra_node_bytes(
+        self,
+        *,
+        op: str | None = None,
+        group: str | None = None,
+        tag: int | None = None,
+        phase: str | None = None,
+    ) -> int:
+        """Bytes this rank sent to ranks on its own node."""
+        return self._sum(2, op, group, tag, phase) - self._sum(3, op, group, tag, phase)
+
     def totals(self) -> dict[tuple[str, str], dict[str, int]]:
         """``(op, group) -> {"calls", "elements_sent", "bytes_sent"}`` over the whole run."""
-        return {
-            key: {"calls": calls, "elements_sent": elements, "bytes_sent": nbytes}
-            for key, (calls, elements, nbytes) in self._totals.items()
-        }
+        out: dict[tuple[str, str], dict[str, int]] = {}
+        for (op, group, _phase), (calls, elements, nbytes, _cross) in self._totals.items():
+            row = out.setdefault((op, group), {"calls": 0, "elements_sent": 0, "bytes_sent": 0})
+            row["calls"] += calls
+            row["elements_sent"] += elements
+            row["bytes_sent"] += nbytes
+        return out
+
+    def by_phase(self, tag: int | None = None) -> dict[tuple[str, str], dict[str, int]]:
+        """``(op, phase) -> {"calls", "intra_node_bytes", "cross_node_bytes"}`` (the whole run,
+        or one tag)."""
+        out: dict[tuple[str, str], dict[str, int]] = {}
+        for (op, _group, phase), (calls, _elements, nbytes, cross) in self._rows(tag).items():
+            row = out.setdefault(
+                (op, phase), {"calls": 0, "intra_node_bytes": 0, "cross_node_bytes": 0}
+            )
+            row["calls"] += calls
+            row["intra_node_bytes"] += nbytes - cross
+            row["cross_node_bytes"] += cross
+        return out
 
 
 class Handle:
@@ -207,8 +278,10 @@ class Communicator:
     """Runs collectives on the world group and named subgroups and records each in ``ledger``.
 
     ``tag`` is stamped on every record: set it to the step number, and
-    ``ledger.elements_sent(tag=step)`` gives that step's volume. ``cycle`` is the engine's
-    cycle number, part of every collective's identity (see ``zero.identity``).
+    ``ledger.elements_sent(tag=step)`` gives that step's volume. ``phase`` is stamped too (set
+    it for a block with ``serving``). ``topology`` says which ranks share a node (None: all of
+    them), which splits every record's bytes into intra-node and cross-node. ``cycle`` is the
+    engine's cycle number, part of every collective's identity (see ``zero.identity``).
     """
 
     def __init__(
@@ -218,6 +291,8 @@ class Communicator:
         self.rings = rings  # gloo gathers and reduce-scatters as point-to-point rings
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
+        self.phase = ""
+        self.topology: Topology | None = None
         self.cycle = 0
         self._groups = {world.name: world}
         self._sequence: dict[str, int] = {}
@@ -240,6 +315,15 @@ class Communicator:
         return mismatch_message(identity, me, answers) or (
             f"{cause} (every peer says it is at the same {identity.describe()})"
         )
+
+    @contextlib.contextmanager
+    def serving(self, phase: str) -> Iterator[None]:
+        """Record the collectives launched in the block under ``phase``."""
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
 
     def _identity(
         self, op: str, group: Group, numel: int, dtype: torch.dtype | None
@@ -397,6 +481,66 @@ class Communicator:
             async_op=False,
         )
 
+    def all_to_all(
+        self,
+        send: Sequence[Tensor],
+        received: Sequence[Tensor],
+        *,
+        group: Group | None = None,
+        async_op: bool = False,
+    ) -> Handle:
+        """Equal-split all-to-all of several flat buffers at once (e.g. quantized data and its
+        scales, as uint8 views): each ``send[i]`` is cut into ``size`` equal blocks; block
+        ``j`` goes to group rank ``j``, which stores the block it gets from group rank ``k`` as
+        block ``k`` of ``received[i]``. All buffers share one dtype; ``received[i]`` has the
+        numel of ``send[i]``.
+
+        Runs as point-to-point messages on gloo (like the rings, and like them only when
+        ``rings`` is on) under the collective's identity tag, and as ``all_to_all_single`` per
+        buffer otherwise. At most two buffers (a
+        quantized tensor's levels and scales): the second travels under a tag of its own
+        (``zero.ring.AllToAllWork``).
+        """
+        g = self._member("all_to_all", group)
+        send, received = list(send), list(received)
+        if not send or len(send) != len(received):
+            raise ValueError(
+                f"all_to_all: send and received must be non-empty lists of one length, got "
+                f"{len(send)} and {len(received)} buffers"
+            )
+        for index, (out, into) in enumerate(zip(send, received, strict=True)):
+            _check_flat("all_to_all", f"send[{index}]", out, g)
+            _check_flat("all_to_all", f"received[{index}]", into, g)
+            if out.dtype != send[0].dtype or into.dtype != out.dtype:
+                raise TypeError(
+                    f"all_to_all: every buffer must have dtype {send[0].dtype}, got send[{index}] "
+                    f"{out.dtype} and received[{index}] {into.dtype}"
+                )
+            if out.numel() != into.numel() or out.numel() % g.size:
+                raise ValueError(
+                    f"all_to_all: send[{index}] ({out.numel()} elements) and received[{index}] "
+                    f"({into.numel()}) must have one numel, a multiple of the size of "
+                    f"{g.describe()}"
+                )
+        if len(send) > 2:
+            raise ValueError(f"all_to_all: at most 2 buffers per call, got {len(send)}")
+        numel = sum(t.numel() for t in send)
+        gloo = self._use_ring(g)
+        return self._run(
+            "all_to_all",
+            g,
+            send[0],
+            numel * (g.size - 1) // g.size,
+            lambda tag: (
+                AllToAllWork(send, received, g.ranks, g.rank, g.process_group, tag)
+                if gloo
+                else _all_to_all_single(send, received, g)
+            ),
+            async_op,
+            ring=gloo,
+            numel=numel,
+        )
+
     def all_gather_object(self, obj: object, *, group: Group | None = None) -> list[object]:
         """Every member's picklable ``obj`` in group-rank order; blocking, for small metadata.
 
@@ -459,13 +603,16 @@ class Communicator:
         start: Callable[[int], dist.Work],
         async_op: bool,
         ring: bool = False,
+        numel: int | None = None,
     ) -> Handle:
         """Launch ``start(tag)`` as collective ``op`` with its identity (see ``zero.identity``):
         a ring sends under the identity's tag; a builtin collective first checks that every
         member is at the same collective (before launching on gloo, whose background work
-        would abort on a size mismatch; on the wait on NCCL, which keeps its launch order)."""
-        self._record(op, group, tensor.numel(), elements_sent, tensor.dtype)
-        identity = self._identity(op, group, tensor.numel(), tensor.dtype)
+        would abort on a size mismatch; on the wait on NCCL, which keeps its launch order).
+        ``numel`` is the logical size when ``tensor`` is one of several buffers."""
+        numel = tensor.numel() if numel is None else numel
+        self._record(op, group, numel, elements_sent, tensor.dtype)
+        identity = self._identity(op, group, numel, tensor.dtype)
         check = None
         if not ring and group.size > 1:
             check = self._start_agreement(identity, group)
@@ -490,8 +637,23 @@ class Communicator:
                 bytes_sent=elements_sent * itemsize,
                 dtype="" if dtype is None else str(dtype).removeprefix("torch."),
                 tag=self.tag,
+                cross_node_bytes=self._cross_node_elements(op, group, elements_sent) * itemsize,
+                phase=self.phase,
             )
         )
+
+    def _cross_node_elements(self, op: str, group: Group, elements_sent: int) -> int:
+        """How many of ``elements_sent`` go to another node (the note on intra-node and
+        cross-node bytes)."""
+        topology = self.topology
+        if topology is None or group.size == 1 or not elements_sent:
+            return 0
+        me = group.ranks[group.rank]
+        if op == "all_to_all":
+            away = sum(1 for peer in group.ranks if not topology.same_node(me, peer))
+            return elements_sent // (group.size - 1) * away
+        right = group.ranks[(group.rank + 1) % group.size]
+        return 0 if topology.same_node(me, right) else elements_sent
 
     def _launch(
         self,
@@ -567,6 +729,32 @@ def _check_shard_and_full(op: str, group: Group, shard: Tensor, full: Tensor) ->
             f"{shard.numel()} * {group.size} = {expected} elements, got {full.numel()}; "
             f"pad the buffer to padded_numel(numel, {group.size})"
         )
+
+
+class _Works:
+    """Several launched works as one: ``wait`` waits for each, within one timeout in total."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self._works = works
+
+    def wait(self, timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            work.wait(timeout=timedelta(seconds=max(0.0, deadline - time.monotonic())))
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
+def _all_to_all_single(send: list[Tensor], received: list[Tensor], group: Group) -> _Works:
+    """One builtin all-to-all per buffer (NCCL, or gloo without rings)."""
+    return _Works(
+        [
+            dist.all_to_all_single(into, out, group=group.process_group, async_op=True)
+            for out, into in zip(send, received, strict=True)
+        ]
+    )
 
 
 def _is_gloo(group: Group) -> bool:

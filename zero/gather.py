@@ -5,7 +5,9 @@
   asynchronously, overlapping the next layouts' updates.
 - :class:`GatherForCompute` (stage 3): a rank keeps only its shard; each use all-gathers the
   layout into a ``GATHERED`` chunk, prefetched one traced moment ahead, and drops it by a rule
-  every rank applies alike (the trace says whether the phase needs it again).
+  every rank applies alike (the trace says whether the phase needs it again). How the bytes
+  travel is a :class:`WeightGather`: :class:`ExactAllGather`, or ZeRO++ qwZ's quantized one
+  (``zero.quantized_gather``); ZeRO++ hpZ is a subclass (``zero.hierarchical_gather``).
 
 An all-gather in flight belongs to the chunk it fills (``chunk.arriving``): whoever reads the
 chunk waits for it first (``Residency.ready``), and ``cancel`` waits for all of them, so no
@@ -15,14 +17,72 @@ rank leaves a collective half-issued behind an exception.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.residency import Residency
 from chunkmem.sharding import ParamGatherer, Sharding, Waitable
+from chunkmem.tracer import Phase
+from zero.comm import Communicator, Group
 
 AllGather = Callable[[torch.Tensor, torch.Tensor, bool], Waitable]
+
+
+class WeightGather(Protocol):
+    """How a stage-3 gather moves bytes: every rank's ``shard`` into ``full`` (rank ``i``'s at
+    ``full[i*n:(i+1)*n]``), recorded under ``phase``, the phase of the moment the gathered copy
+    serves. With ``async_op`` False it returns once ``full`` holds the result."""
+
+    def start(
+        self, shard: torch.Tensor, full: torch.Tensor, *, phase: str, async_op: bool
+    ) -> Waitable: ...
+
+
+class ExactAllGather:
+    """The values as they are, in one all-gather on ``group`` (default: the world)."""
+
+    def __init__(self, comm: Communicator, group: Group | None = None) -> None:
+        self.comm = comm
+        self.group = group
+
+    def start(
+        self, shard: torch.Tensor, full: torch.Tensor, *, phase: str, async_op: bool
+    ) -> Waitable:
+        with self.comm.serving(phase):
+            return self.comm.all_gather(shard, full, group=self.group, async_op=async_op)
+
+
+class Then:
+    """A launched collective and what follows it: ``finish`` once it completed (dequantize what
+    arrived), ``release`` whatever happened (give back or unpin what it used). Each runs at most
+    once, at the first ``wait``."""
+
+    def __init__(
+        self,
+        handle: Waitable,
+        *,
+        finish: Callable[[], None] | None = None,
+        release: Callable[[], None] | None = None,
+    ) -> None:
+        self._handle = handle
+        self._finish = finish
+        self._release = release
+
+    def wait(self) -> None:
+        try:
+            self._handle.wait()
+            finish, self._finish = self._finish, None
+            if finish is not None:
+                finish()
+        finally:
+            release, self._release = self._release, None
+            if release is not None:
+                release()
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
 
 
 class GatherUpdatedShards(ParamGatherer):
@@ -61,24 +121,35 @@ class GatherForCompute(ParamGatherer):
 
     compute_kind = ChunkKind.GATHERED
 
-    def __init__(self, residency: Residency, all_gather: AllGather) -> None:
+    def __init__(self, residency: Residency, weights: WeightGather) -> None:
         self.residency = residency
         self.tracer = residency.tracer
-        self._all_gather = all_gather
+        self.weights = weights
         self._drop_later: dict[int, ChunkLayout] = {}  # pinned when released
 
     def transient_kinds(self) -> frozenset[ChunkKind]:
         return frozenset({ChunkKind.GATHERED})
 
-    def _start(self, chunk: Chunk, async_op: bool) -> None:
+    def _gather(self, chunk: Chunk, phase: Phase, async_op: bool) -> Waitable:
+        """Launch the gather of every rank's shard into ``chunk`` (for a moment of ``phase``)."""
         shard = chunk.layout.chunks[ChunkKind.PARAM]
         self.residency.ensure_on_device([shard])
-        handle = self._all_gather(shard.payload, chunk.payload, async_op)
+        return self.weights.start(
+            shard.payload, chunk.payload, phase=phase.value, async_op=async_op
+        )
+
+    def _start(self, chunk: Chunk, phase: Phase, async_op: bool) -> None:
+        handle = self._gather(chunk, phase, async_op)
         if async_op:
             chunk.arriving = handle
 
+    def _phase_now(self) -> Phase:
+        tracer = self.tracer
+        moments = tracer.observed.moments
+        return moments[-1].phase if tracer.index >= 0 and moments else Phase.FORWARD
+
     def fill(self, chunk: Chunk) -> None:
-        self._start(chunk, async_op=False)
+        self._start(chunk, self._phase_now(), async_op=False)
 
     def after_access(self) -> None:
         """Start gathering the layouts the next traced moment needs, so the all-gather
@@ -87,7 +158,9 @@ class GatherForCompute(ParamGatherer):
         if not self.tracer.replaying:
             return
         residency = self.residency
-        for _index, accessed in self.tracer.upcoming(1):
+        replay = self.tracer.replay
+        for index, accessed in self.tracer.upcoming(1):
+            phase = replay.moments[index % len(replay)].phase
             for chunk_id, on_device in accessed.items():
                 chunk = residency.chunks.get(chunk_id)
                 if chunk is None or chunk.kind is not ChunkKind.GATHERED or not on_device:
@@ -96,7 +169,7 @@ class GatherForCompute(ParamGatherer):
                     continue
                 residency.make_room(chunk.nbytes, {chunk.id}, "prefetch")
                 residency.allocate_payload(chunk, residency.compute, zeroed=False)
-                self._start(chunk, async_op=True)
+                self._start(chunk, phase, async_op=True)
                 residency.listener.chunk_arrived(chunk)  # type: ignore[union-attr]
 
     def released(self, layout: ChunkLayout) -> None:
@@ -112,6 +185,10 @@ class GatherForCompute(ParamGatherer):
             return
         if self.tracer.replaying and self.tracer.needed_again_this_phase(gathered.id):
             return
+        self._drop(gathered)
+
+    def _drop(self, gathered: Chunk) -> None:
+        """A gathered copy no later moment of its phase needs goes (hpZ keeps a part first)."""
         self.residency.free_payload(gathered)
 
     def moment_over(self) -> None:

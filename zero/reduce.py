@@ -9,11 +9,16 @@ first, the order backward finishes them), so collectives always match across ran
 A reduction in flight is a :class:`Reduction`: it owns the pins on its two chunks and its
 scratch buffer, and ``complete`` and ``cancel`` release them through one path, whatever
 waiting raises.
+
+How the bytes travel is a :class:`GradientReduction`: :class:`ExactReduceScatter`, or ZeRO++
+qgZ's hierarchical quantized all-to-all (``zero.quantized_reduce``). Another compressor
+(1-bit with error feedback, top-k, PowerSGD) is one more class with a ``launch`` method, given
+to :class:`ReduceScatterGrads` by ``zero.strategy``; nothing else changes (docs/zeropp.md).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -21,13 +26,45 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer, Sharding, Waitable
+from zero.comm import Communicator
 
 # Reduce-scatters running at once during backward: enough to overlap the next layouts'
 # gradients with communication, few enough that whole gradient chunks are freed as backward
 # goes (each completed reduction keeps only this rank's shard).
 MAX_REDUCTIONS_IN_FLIGHT = 2
 
-ReduceScatter = Callable[[torch.Tensor, torch.Tensor, bool], Waitable]
+
+class GradientReduction(Protocol):
+    """Turns every rank's whole gradient chunk of a layout into this rank's summed shard.
+
+    ``launch(layout, full, shard)`` starts it; after the returned ``wait``, ``shard`` (rank
+    ``r``'s ``n`` elements) holds the sum over ranks of their ``full[r*n : (r+1)*n]``, exactly
+    for a reduce-scatter and approximately for a compressor. The contract:
+
+    - Every rank launches the same layouts in the same order (``ReduceScatterGrads`` sees to
+      it), and waits for them in launch order; ``is_completed`` must not block.
+    - ``full`` may be read until ``wait`` returns and must not be kept; ``shard`` is written
+      only by then. Anything else the reduction uses (scratch, wire buffers) it owns and
+      releases in ``wait``, also when waiting raises: a cancel waits too.
+    - ``layout`` names the layout, for compressors with state per layout (an error-feedback
+      residual, PowerSGD's factors), which they keep themselves; ``layout.slots`` gives
+      each parameter's offset and shape.
+    - It sums; the update divides by the world size.
+    """
+
+    def launch(self, layout: ChunkLayout, full: torch.Tensor, shard: torch.Tensor) -> Waitable: ...
+
+
+class ExactReduceScatter:
+    """The plain reduce-scatter on the world group, recorded under ``phase``."""
+
+    def __init__(self, comm: Communicator, phase: str) -> None:
+        self.comm = comm
+        self.phase = phase
+
+    def launch(self, layout: ChunkLayout, full: torch.Tensor, shard: torch.Tensor) -> Waitable:
+        with self.comm.serving(self.phase):
+            return self.comm.reduce_scatter(full, shard, async_op=True)
 
 
 class Reduction:
@@ -37,7 +74,7 @@ class Reduction:
         self,
         layout: ChunkLayout,
         residency: Residency,
-        reduce_scatter: ReduceScatter,
+        reduction: GradientReduction,
         adds_to_shard: bool,
     ) -> None:
         """Launch; both chunks are on the device. ``adds_to_shard``: the shard holds an
@@ -56,7 +93,7 @@ class Reduction:
                     self.shard.numel, self.shard.dtype, residency.compute, set()
                 )
             target = self.shard.payload if self._late is None else self._late
-            self._handle = reduce_scatter(self.grad.payload, target, True)
+            self._handle = reduction.launch(layout, self.grad.payload, target)
         except BaseException:
             self._release()
             raise
@@ -90,22 +127,22 @@ class Reduction:
 
 
 class ReduceScatterGrads(GradReducer):
-    """Reduce-scatter gradients into per-rank shards; ``overlap`` launches them in backward.
-    Gradients are reduced only in the last micro-batch of an accumulation window."""
+    """Reduce gradients into per-rank shards by ``reduction``; ``overlap`` launches them in
+    backward. Gradients are reduced only in the last micro-batch of an accumulation window."""
 
     def __init__(
         self,
         params: ParamStore,
         residency: Residency,
         sharding: Sharding,
-        reduce_scatter: ReduceScatter,
+        reduction: GradientReduction,
         overlap: bool,
     ) -> None:
         super().__init__()
         self.params = params
         self.residency = residency
         self.sharding = sharding
-        self._reduce_scatter = reduce_scatter
+        self.reduction = reduction
         self.overlap = overlap
         self._launched: set[int] = set()  # layouts reduced in this accumulation window
         self._in_flight: dict[int, Reduction] = {}  # launch order
@@ -166,7 +203,7 @@ class ReduceScatterGrads(GradReducer):
         self.residency.ensure_on_device([grad, shard])
         _zero_unwritten(grad)
         self._in_flight[layout.index] = Reduction(
-            layout, self.residency, self._reduce_scatter, adds_to_shard
+            layout, self.residency, self.reduction, adds_to_shard
         )
         for slot in layout.slots:
             slot.grad_reduced = slot.grad_contributions
@@ -196,7 +233,9 @@ class ReduceScatterGrads(GradReducer):
 
         All of them, with gradients or not, on every rank: a rank that skipped a layout its
         peers reduce would leave them waiting. Gradients that arrived after their layout was
-        reduced are reduced again and added.
+        reduced are reduced again and added. At most ``MAX_REDUCTIONS_IN_FLIGHT`` run at once,
+        as in backward, so the scratch of reductions that need some (qgZ's wire buffers) stays
+        a few layouts' worth.
         """
         for layout in self._order():
             grad = layout.chunks.get(ChunkKind.GRAD)
@@ -208,6 +247,7 @@ class ReduceScatterGrads(GradReducer):
                         layout, ChunkKind.GRAD, self.params.compute_dtype, None
                     )
                 self._launch(layout)
+                self._retire(keep=MAX_REDUCTIONS_IN_FLIGHT)
         self._retire(keep=0)
 
     def _sync_presence(self) -> None:

@@ -26,6 +26,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from zero.identity import DIAGNOSE_TAG
+
 
 class RingWork:
     """A ring collective in flight; ``wait(timeout)`` finishes it like a torch ``Work``."""
@@ -145,3 +147,62 @@ class HostStagedRing:
 
     def is_completed(self) -> bool:
         return self._ring.is_completed()
+
+
+class AllToAllWork:
+    """An equal-split all-to-all over point-to-point messages; ``wait(timeout)`` finishes it like
+    a torch ``Work``. Every buffer is cut into one block per rank; all messages are posted at
+    launch. The first buffer travels under ``tag`` (a collective identity's tag, always even),
+    the second under an odd tag next to it that no ring or identity uses. Device tensors travel
+    as host copies (see the module note), copied back in ``wait``."""
+
+    def __init__(
+        self,
+        send: list[torch.Tensor],
+        received: list[torch.Tensor],
+        ranks: tuple[int, ...],
+        rank: int,
+        process_group: object,
+        tag: int,
+    ) -> None:
+        size = len(ranks)
+        staged = send[0].device.type != "cpu"
+        self._targets = received if staged else []
+        if staged:
+            send = [t.cpu() for t in send]
+            received = [torch.empty_like(t, device="cpu") for t in received]
+        self._received = received
+        ops = []
+        # Identity tags are even and below DIAGNOSE_TAG (the largest int32): tag + 1 is free,
+        # except next to it.
+        tags = [tag, tag + 1 if tag + 1 != DIAGNOSE_TAG else tag - 1]
+        for index, (out, into) in enumerate(zip(send, received, strict=True)):
+            n = out.numel() // size
+            into[rank * n : (rank + 1) * n].copy_(out[rank * n : (rank + 1) * n])
+            for peer in range(size):
+                if peer == rank:
+                    continue
+                block = slice(peer * n, (peer + 1) * n)
+                ops.append(
+                    dist.P2POp(dist.isend, out[block], ranks[peer], process_group, tags[index])
+                )
+                ops.append(
+                    dist.P2POp(dist.irecv, into[block], ranks[peer], process_group, tags[index])
+                )
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+
+    def wait(self, timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError("all_to_all did not finish in time")
+            work.wait(timeout=timedelta(seconds=left))
+        self._works = []
+        for target, host in zip(self._targets, self._received, strict=False):
+            target.copy_(host)
+        self._targets = []
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
