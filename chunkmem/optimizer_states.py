@@ -44,6 +44,8 @@ class OptimizerStates:
         self.reducer = reducer
         self.mode = mode
         self.homes: dict[int, StorageTier] | None = None  # layout index -> tier
+        # Moments loaded from a checkpoint before the first step: place() starts from them.
+        self._preloaded: dict[tuple[int, ChunkKind], torch.Tensor] = {}
 
     def state_span(self, layout: ChunkLayout) -> Span:
         """(start, numel) of the layout's elements whose optimizer states this rank holds."""
@@ -86,7 +88,29 @@ class OptimizerStates:
                     residency.make_room(span[1] * 4, set(), "optimizer home", "capacity")
                 else:  # parameters the recording cycle evicted may go back to a roomy device
                     residency.make_tier_room(home, span[1] * 4, set(), "capacity")
-                residency.new_chunk(layout, kind, torch.float32, home, span)
+                chunk = residency.new_chunk(layout, kind, torch.float32, home, span)
+                preloaded = self._preloaded.pop((layout.index, kind), None)
+                if preloaded is not None:
+                    chunk.payload.copy_(preloaded)  # type: ignore[union-attr]
+                    residency.transfer(chunk, residency.tiers.spill, home, chunk.nbytes, "load")
+
+    def state_values(self, layout: ChunkLayout, kind: ChunkKind) -> torch.Tensor | None:
+        """The ``exp_avg``/``exp_avg_sq`` of ``layout`` over its state span, to read or write
+        in place: the chunk's payload once placed, values loaded before the first step, or
+        None (never stepped: zeros)."""
+        chunk = layout.chunks.get(kind)
+        if chunk is not None:
+            self.residency.ready(chunk)
+            return chunk.payload
+        return self._preloaded.get((layout.index, kind))
+
+    def preload(self, layout: ChunkLayout, kind: ChunkKind) -> torch.Tensor:
+        """Host memory, zeroed, for ``layout``'s ``kind`` state before it has a chunk; the
+        chunk starts from it when the first step places the states."""
+        assert self.homes is None, "states are placed: write into their chunks"
+        values = torch.zeros(self.state_span(layout)[1], dtype=torch.float32)
+        self._preloaded[(layout.index, kind)] = values
+        return values
 
     def home(self, layout: ChunkLayout) -> StorageTier:
         assert self.homes is not None, "optimizer states are placed at the first step"
