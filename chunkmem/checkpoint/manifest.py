@@ -33,17 +33,18 @@ def describe(engine: Engine) -> dict[str, Any]:
     aliases: dict[int, list[str]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(param), []).append(name)
-    ordered = [slot.param for slot in params.slots.values()]
-    ordered += [param for _name, param in params.pending.values()]
+    # Packed parameters by slot: a parameter off the device has an empty placeholder.
+    ordered = [(slot.param, slot.shape) for slot in params.slots.values()]
+    ordered += [(param, param.shape) for _name, param in params.pending.values()]
     parameters = []
-    for param in ordered:
+    for param, shape in ordered:
         first, *others = aliases[id(param)]
         trainable = param.requires_grad
         saved = torch.float32 if trainable and params.keep_fp32_master else params.compute_dtype
         parameters.append(
             {
                 "name": first,
-                "shape": list(param.shape),
+                "shape": list(shape),
                 "dtype": dtype_name(saved),
                 "trainable": trainable,
                 "group": engine.optimizer.group_of.get(id(param)) if trainable else None,
