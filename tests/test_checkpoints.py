@@ -335,6 +335,26 @@ def test_consolidated_state_dict_loads_into_the_plain_model_and_matches(
     assert same(torch.load(pt, weights_only=True), engine.state_dict())
 
 
+def test_consolidated_safetensors_load_with_from_pretrained(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    engine = chunkmem.initialize(transformers.GPT2LMHeadModel(config), config=engine_config())
+    x = batches(1)[0][:, :-1]
+    for _ in range(2):
+        engine.backward(engine(x, labels=x).loss)
+        engine.step()
+    engine.save_checkpoint(tmp_path / "ck")
+    chunkmem.consolidate(tmp_path / "ck", tmp_path / "hf" / "model.safetensors")
+    config.save_pretrained(tmp_path / "hf")
+    plain = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        assert torch.equal(plain(x).logits, engine(x).logits)
+
+
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     safetensors = pytest.importorskip("safetensors.torch")
     return safetensors.load_file(path)
