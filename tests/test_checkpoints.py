@@ -110,8 +110,8 @@ def test_row_major_boxes_are_contiguous_runs_that_cover_the_range(shape) -> None
 
 class Probe(nn.Module):
     """A GPT with dropout (the RNG state matters), a layer that gets a gradient only on even
-    steps (step counts differ per parameter), a frozen layer and a buffer the forward
-    changes."""
+    steps (step counts differ per parameter), a frozen layer, a 0-d parameter and a buffer
+    the forward changes."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -119,12 +119,13 @@ class Probe(nn.Module):
         self.aux = nn.Linear(CONFIG.n_embd, CONFIG.n_embd, bias=False)
         self.frozen = nn.Linear(CONFIG.n_embd, CONFIG.n_embd)
         self.frozen.requires_grad_(False)
+        self.gain = nn.Parameter(torch.ones(()))
         self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("probe", torch.randn(4, CONFIG.n_embd))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, aux: bool) -> torch.Tensor:
         self.calls += 1
-        loss = self.gpt(x, y)
+        loss = self.gpt(x, y) * self.gain
         if aux:
             loss = loss + 1e-2 * self.aux(self.frozen(self.probe)).square().mean()
         return loss

@@ -98,13 +98,14 @@ def check_complete(path: Path, sharding: Sharding) -> None:
     """Raise the same error on every rank unless ``path`` holds a committed checkpoint."""
     problem = None
     if sharding.rank == 0:
-        problem = _incomplete(path)
+        problem = incomplete(path)
     problem = sharding.gather_objects(problem)[0]
     if problem is not None:
         raise CheckpointError(problem)
 
 
-def _incomplete(path: Path) -> str | None:
+def incomplete(path: Path) -> str | None:
+    """Why ``path`` is not a committed checkpoint, or None if it is."""
     if not path.is_dir():
         killed = [p.name for p in path.parent.glob(f".{path.name}{_TEMPORARY}*")]
         hint = (

@@ -61,7 +61,7 @@ def consolidate(
     (None: as stored, fp32 masters and frozen parameters in their compute dtype). Returns
     ``out``."""
     source, out = Path(directory), Path(out)
-    problem = commit._incomplete(source)
+    problem = commit.incomplete(source)
     if problem is not None:
         raise CheckpointError(problem)
     if out.suffix != ".safetensors" and out.suffix not in _TORCH_SUFFIXES:

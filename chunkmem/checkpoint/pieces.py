@@ -169,8 +169,13 @@ def owned_span(params: ParamStore, layout: ChunkLayout) -> Span:
 
 
 def slots_in(layout: ChunkLayout, span: Span) -> list[TensorSlot]:
+    """Slots with at least one element in ``span``."""
     start, numel = span
-    return [s for s in layout.slots if s.offset < start + numel and start < s.offset + s.numel]
+    return [
+        s
+        for s in layout.slots
+        if s.numel and s.offset < start + numel and start < s.offset + s.numel
+    ]
 
 
 def save_pieces(params: ParamStore, states: OptimizerStates) -> list[Piece]:
@@ -195,7 +200,7 @@ def save_pieces(params: ParamStore, states: OptimizerStates) -> list[Piece]:
                 layout,
                 span,
                 lambda s, k=kind: moment_key(s.name, k),
-                torch.float32,
+                torch.float32 if values is None else values.dtype,
                 None if values is None else _offset(lambda v=values: v, span[0] - state_start),
             )
     return pieces
