@@ -3,7 +3,7 @@ and consolidation's peak memory against the model's size.
 
 A GPT trains two steps in one process (simulated device), saves, and a new engine loads the
 checkpoint; consolidation to safetensors runs in a subprocess so its peak resident memory
-(``ru_maxrss``) is its own, measured above the same process's RSS after imports. Model-state
+is its own, sampled above the same process's RSS after imports. Model-state
 bytes are the engine's chunks (parameters, gradients, masters, moments, padding included);
 what a checkpoint must hold is 12 bytes per trainable parameter (fp32 value, two moments).
 
@@ -29,12 +29,21 @@ from chunkmem.models.gpt import GPT, GPTConfig
 FULL = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=512)
 QUICK = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=256)
 
+# RSS sampled every millisecond: ru_maxrss would carry the forking parent's peak over exec.
 _CONSOLIDATE = """
-import resource, sys, psutil
+import sys, threading, time, psutil
 import torch, chunkmem.checkpoint
-base = psutil.Process().memory_info().rss
+process = psutil.Process()
+base = peak = process.memory_info().rss
+def sample():
+    global peak
+    while True:
+        peak = max(peak, process.memory_info().rss)
+        time.sleep(0.001)
+threading.Thread(target=sample, daemon=True).start()
 chunkmem.checkpoint.consolidate(sys.argv[1], sys.argv[2])
-print(base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+time.sleep(0.01)
+print(base, peak)
 """
 
 
