@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 RESULTS = Path(__file__).parent / "results"
@@ -24,29 +25,66 @@ def parse_args(
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{name}", description=description)
     parser.add_argument("--quick", action="store_true", help="a smaller run (under a minute)")
     parser.add_argument(
-        "--json", type=Path, default=RESULTS / f"{name}.json", help="where to write the results"
+        "--json",
+        type=Path,
+        help=f"where to write the results (default results/{name}.json, with --quick "
+        f"results/{name}.quick.json, so that a quick run never replaces a full one)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.json is None:
+        args.json = RESULTS / f"{name}{'.quick' if args.quick else ''}.json"
+    return args
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo (else what `platform` knows)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def environment(quick: bool) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).parent,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    """Where and when a result was measured: written into every results JSON.
+
+    `commit_dirty` is true when the work tree had uncommitted changes to tracked files other
+    than the results themselves, so the commit alone does not say which code ran.
+    """
+    status = _git(
+        "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+        ":(top,exclude)benchmarks/results",
+    )  # fmt: skip
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
+        "commit": _git("rev-parse", "HEAD") or "unknown",
+        "commit_dirty": None if status is None else bool(status),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
+        "machine": {
+            "cpu": cpu_model(),
+            "arch": platform.machine(),
+            "logical_cores": os.cpu_count(),
+            "cores_available": len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(),
+            "memory_bytes": psutil.virtual_memory().total,
+            "os": platform.platform(),
+        },
+        # Other processes' load when the results were written: timings from a busy machine
+        # are not comparable with a quiet one's (byte counts are).
+        "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "quick": quick,

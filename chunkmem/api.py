@@ -19,9 +19,9 @@ from chunkmem.engine import Engine, engine_of
 from chunkmem.errors import CapacityError, ConfigError
 from chunkmem.grads import GradStore
 from chunkmem.hooks import ModuleHooks
-from chunkmem.ledger import Ledger
+from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.manager import ChunkManager
-from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
+from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer, native_host_optimizer
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.packing import ChunkSizeChoice, padding_for, search_chunk_size
 from chunkmem.params import ParamStore
@@ -31,9 +31,12 @@ from chunkmem.saved_tensors import ActivationCounter
 from chunkmem.sharding import Strategy
 from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
+from offload.nvme import NvmeTier
+from offload.overlap import attach as attach_overlap
 
 _log = logging.getLogger("chunkmem")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ALIGNMENT = 64  # elements: every chunk is a whole number of cache lines in any dtype
 _MIN_CHUNKS = 16
 _MAX_CHUNK_ELEMENTS = 1 << 25  # 32 Mi elements, PatrickStar's default chunk
@@ -92,7 +95,10 @@ def initialize(
         trainable,
         frozen,
         math.lcm(_ALIGNMENT, world_size),
-        chunks_move=comm is not None or not _states_fit(capacity, compute_dtype, trainable, frozen),
+        # Offloaded states are updated (and overlapped) a chunk group at a time.
+        chunks_move=comm is not None
+        or config.offload.optimizer in ("host", "nvme")
+        or not _states_fit(capacity, compute_dtype, trainable, frozen),
     )
     separate_grads = not mixed or config.gradient_accumulation_steps > 1 or comm is not None
     _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
@@ -104,8 +110,15 @@ def initialize(
         check_ranks_agree(comm, fingerprint(model, config, choice.size))
         strategy = ZeroStrategy(config.zero.stage, comm, device.torch_device)
 
-    tiers = TierSet(DeviceTier(device, capacity), HostTier(device, config.host.capacity))
+    state_dtype = _STATE_DTYPES[config.offload.state_dtype]
+    if state_dtype != torch.float32 and native_host_optimizer() is None:
+        raise ConfigError(
+            "offload.state_dtype 'bf16' needs the native host optimizer, which cannot be built "
+            "here (the log says why); use 'fp32'"
+        )
+    tiers = _tiers(config, device, capacity)
     ledger = Ledger(tiers.capacities(), config.report.max_move_events)
+    _reserve_offload(config, tiers, ledger, trainable, choice.size, world_size, mixed, state_dtype)
     placement = Placement(
         config.placement.policy,
         config.placement.prefetch,
@@ -123,8 +136,17 @@ def initialize(
     reducer = strategy.reducer(params, residency)
     grads = GradStore(params, residency, binder, reducer, grads_in_param_slot=not separate_grads)
     manager = ChunkManager(params, residency, binder, gatherer, grads)
+    offload = config.offload
     states = OptimizerStates(
-        params, residency, strategy.sharding, gatherer, reducer, config.placement.optimizer_states
+        params,
+        residency,
+        strategy.sharding,
+        gatherer,
+        reducer,
+        offload.optimizer,
+        offload_to=tiers[offload.optimizer] if offload.optimizer in ("host", "nvme") else None,
+        ratio=offload.optimizer_ratio,
+        offloaded_state_dtype=state_dtype,
     )
     params.register(named)
     _move_buffers(model, device.torch_device, compute_dtype)
@@ -134,8 +156,60 @@ def initialize(
     store_grad = _store_grad_hook(grads)
     grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
     activations = ActivationCounter(device.meter, residency)
-    adam = ChunkAdam(manager, states, param_groups, group_of, decoupled)
+    threads = None if offload.optimizer_threads == "auto" else offload.optimizer_threads
+    adam = ChunkAdam(manager, states, param_groups, group_of, decoupled, threads)
+    attach_overlap(config, adam, reducer)
     return Engine(model, config, manager, states, hooks, activations, adam, choice, grad_handles)
+
+
+def _tiers(config: Config, device, capacity: int) -> TierSet:
+    """The device, the host, and the NVMe tier when optimizer states go there."""
+    others = []
+    if config.offload.optimizer == "nvme":
+        nvme = config.offload.nvme
+        assert nvme.path is not None  # the config checks it
+        others.append(NvmeTier(nvme.path, nvme.block_size, nvme.io_threads))
+    return TierSet(DeviceTier(device, capacity), HostTier(device, config.host.capacity), *others)
+
+
+def _reserve_offload(
+    config: Config,
+    tiers: TierSet,
+    ledger: Ledger,
+    trainable: list[torch.nn.Parameter],
+    chunk_size: int,
+    world_size: int,
+    mixed: bool,
+    state_dtype: torch.dtype,
+) -> None:
+    """Count tiers' staging buffers as host workspace, and check that a tier outside memory
+    has room for what the config will put there; either failing closes the tiers."""
+    try:
+        for tier in tiers:
+            if tier.staging_bytes:
+                ledger.allocate(
+                    tiers.spill.name,
+                    WORKSPACE,
+                    tier.staging_bytes,
+                    f"the {tier.name} tier's staging buffers",
+                    f"{tier.name} staging",
+                )
+        if config.offload.optimizer == "nvme":
+            numels = [p.numel() for p in trainable]
+            elements = (sum(numels) + padding_for(numels, chunk_size)) // world_size
+            per_element = (4 if mixed else 0) + 2 * state_dtype.itemsize
+            # Whole groups, rounded up, and one more that may be in flight at a step.
+            group = chunk_size // world_size * per_element
+            offloaded = math.ceil(config.offload.optimizer_ratio * elements * per_element)
+            nvme = tiers[config.offload.optimizer]
+            assert isinstance(nvme, NvmeTier)
+            nvme.check_room(
+                min(offloaded + 2 * group, elements * per_element + group),
+                f"the optimizer states (masters and moments of {elements:,} elements)",
+            )
+    except BaseException:
+        tiers.close()
+        raise
 
 
 def _store_grad_hook(grads: GradStore) -> Callable[[torch.nn.Parameter], None]:
@@ -301,18 +375,19 @@ def _move_buffers(model: torch.nn.Module, device: torch.device, dtype: torch.dty
 def _say_if_dtypes_change(
     named: list[tuple[str, torch.nn.Parameter]], compute_dtype: torch.dtype, precision: str
 ) -> None:
-    """One logged line when the model's parameters are in another dtype than the one it will
-    train in (a bf16 model under the default fp32 precision, an fp64 model)."""
-    dtypes = sorted(
-        {str(p.dtype).removeprefix("torch.") for _n, p in named if p.is_floating_point()}
+    """One logged line when parameters will train in another dtype than their own, other
+    than the usual fp32 model trained in 16 bits (its fp32 values stay as masters): a bf16
+    model under the default fp32 precision, an fp64 model."""
+    expected = {torch.float32, compute_dtype}
+    unusual = sorted(
+        {str(p.dtype).removeprefix("torch.") for _n, p in named if p.dtype not in expected}
     )
-    target = str(compute_dtype).removeprefix("torch.")
-    if dtypes and dtypes != [target]:
+    if unusual:
+        target = str(compute_dtype).removeprefix("torch.")
         _log.warning(
-            "the model's parameters are %s; chunkmem trains them in %s (config precision %r, "
-            "one of fp32, bf16, fp16)%s",
-            ", ".join(dtypes),
+            "some of the model's parameters are %s; chunkmem trains them in %s (config "
+            "precision %r; chunkmem trains in fp32, bf16 or fp16)",
+            ", ".join(unusual),
             target,
             precision,
-            "" if precision != "fp32" else "; set precision to bf16 or fp16 to train in 16 bits",
         )

@@ -123,7 +123,9 @@ class Chunk:
         self._all_views: list[torch.Tensor] | None = None
         self.pins = 0  # holds outside the tensor-state machine; see ``pin``
         self.pending_event: object | None = None  # an async copy the payload waits for
-        self.arriving: object | None = None  # a collective filling the payload (``wait()``)
+        self.arriving: object | None = (
+            None  # a collective or a read filling the payload (``wait()``)
+        )
 
     def __repr__(self) -> str:
         tier = self.tier.name if self.tier else "unallocated"

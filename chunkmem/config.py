@@ -10,10 +10,18 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from chunkmem.errors import ConfigError
 
@@ -150,11 +158,70 @@ class PlacementConfig(_Section):
         "unit (accessed together, one moment). chunk: the chunk size, so a transformer block "
         "is typically one unit; 1 hooks every module that owns parameters.",
     )
-    optimizer_states: Literal["auto", "device", "host"] = Field(
-        "auto",
-        description="Where fp32 masters and Adam states live and are updated. auto puts as many "
-        "chunk groups on the device as the traced margin allows, the rest on the host.",
+
+
+class NvmeConfig(_Section):
+    """The NVMe tier: optimizer-state chunks stored as files (``offload.optimizer: nvme``)."""
+
+    path: str | None = Field(
+        None,
+        description="Directory for the chunk files, on the fast disk. The engine creates a "
+        "private subdirectory in it and removes it on close, on exit and after an error; one "
+        "left by a killed process is removed by the next engine using the directory.",
     )
+    block_size: ByteSize = Field(
+        4 * 2**20,
+        ge=4096,
+        description="Bytes per read or write request, a multiple of 4096. Each I/O thread owns "
+        "one staging buffer of this size and writes share four more, all counted as host "
+        "workspace: larger blocks mean fewer requests, smaller ones less host memory.",
+    )
+    io_threads: int = Field(
+        2,
+        ge=1,
+        description="Threads running reads and writes; while one waits on the disk, another "
+        "copies between staging buffers and chunks.",
+    )
+
+
+class OffloadConfig(_Section):
+    """Where optimizer states live and how the host updates them (docs/offload.md)."""
+
+    optimizer: Literal["auto", "device", "host", "nvme"] = Field(
+        "auto",
+        description="Where fp32 masters and optimizer moments live and are updated. auto puts "
+        "as many chunk groups on the device as the traced margin allows, the rest on the "
+        "host. host and nvme take the fraction optimizer_ratio of the groups there (the host "
+        "updates them, streaming gradients in and 16-bit values out), the rest as auto. "
+        "Parameters and gradients stay on the device and are evicted to the host.",
+    )
+    optimizer_ratio: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Fraction of the optimizer-state elements offloaded to offload.optimizer "
+        "(host or nvme), in whole chunk groups, as DeepSpeed's ratio. The groups whose "
+        "gradients are final first in backward go first.",
+    )
+    state_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="dtype of the Adam moments of groups updated on the host. bf16 halves "
+        "their memory and traffic and rounds each moment to 8 significant bits per step "
+        "(masters stay fp32). Needs the native host optimizer.",
+    )
+    overlap: bool = Field(
+        False,
+        description="Start a chunk group's host update as soon as its gradients are final (after "
+        "its reduce-scatter under ZeRO-2/3), on a host thread while backward continues. "
+        "Gradient clipping and fp16 need every gradient first: with either, the step stays "
+        "serial. The update then happens in backward: engine.step() must follow.",
+    )
+    optimizer_threads: int | Literal["auto"] = Field(
+        "auto",
+        description="OpenMP threads of the host optimizer; auto: torch.get_num_threads(). "
+        "With overlap, leave cores for the compute.",
+    )
+    nvme: NvmeConfig = NvmeConfig()
 
 
 class ZeroConfig(_Section):
@@ -167,6 +234,13 @@ class ZeroConfig(_Section):
     )
     backend: Literal["auto", "nccl", "gloo"] = Field(
         "auto", description="auto: nccl with CUDA, gloo otherwise."
+    )
+    transport: Literal["ring", "builtin"] = Field(
+        "ring",
+        description="How gloo runs all-gathers and reduce-scatters. ring: point-to-point "
+        "rings (2-3x faster than gloo's own collectives on one machine); builtin: "
+        "torch.distributed's collectives, as FSDP and DeepSpeed use them (an ablation). "
+        "NCCL always runs its own.",
     )
     timeout_s: float = Field(
         300.0,
@@ -223,7 +297,34 @@ class Config(_Section):
     chunk: ChunkConfig = ChunkConfig()
     placement: PlacementConfig = PlacementConfig()
     zero: ZeroConfig = ZeroConfig()
+    offload: OffloadConfig = OffloadConfig()
     report: ReportConfig = ReportConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved_keys(cls, data: Any) -> Any:
+        return _move_optimizer_states_key(data)
+
+    @model_validator(mode="after")
+    def _offload_consistent(self) -> Config:
+        offload = self.offload
+        if offload.optimizer_ratio < 1 and offload.optimizer not in ("host", "nvme"):
+            raise ValueError(
+                f"offload.optimizer_ratio {offload.optimizer_ratio} offloads part of the "
+                f"optimizer states, so offload.optimizer must be 'host' or 'nvme', not "
+                f"{offload.optimizer!r}"
+            )
+        if offload.optimizer == "nvme" and not offload.nvme.path:
+            raise ValueError(
+                "offload.optimizer is 'nvme' but offload.nvme.path is not set: give the "
+                "directory (on the fast disk) for the chunk files"
+            )
+        if offload.nvme.block_size % 4096:
+            raise ValueError(
+                f"offload.nvme.block_size {offload.nvme.block_size} is not a multiple of 4096 "
+                f"(direct I/O needs whole pages)"
+            )
+        return self
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
@@ -267,6 +368,32 @@ class Config(_Section):
         )
 
 
+def _move_optimizer_states_key(data: Any) -> Any:
+    """``placement.optimizer_states`` (before offload existed) is ``offload.optimizer`` now: the
+    old key keeps working, with a warning, unless both are given."""
+    placement = data.get("placement") if isinstance(data, dict) else None
+    if not isinstance(placement, dict) or "optimizer_states" not in placement:
+        return data
+    data = dict(data)
+    placement = dict(placement)
+    value = placement.pop("optimizer_states")
+    offload = dict(data.get("offload") or {})
+    if "optimizer" in offload and offload["optimizer"] != value:
+        raise ValueError(
+            f"placement.optimizer_states ({value!r}) moved to offload.optimizer, which is also "
+            f"set ({offload['optimizer']!r}); keep only offload.optimizer"
+        )
+    warnings.warn(
+        "config key 'placement.optimizer_states' is now 'offload.optimizer' (same values, plus "
+        "'nvme'); the old key still works",
+        DeprecationWarning,
+        stacklevel=4,
+    )
+    offload["optimizer"] = value
+    data["placement"], data["offload"] = placement, offload
+    return data
+
+
 def _section_at(location: tuple[Any, ...]) -> type[BaseModel] | None:
     """The model class that owns the key at ``location`` (None if not a model)."""
     model: type[BaseModel] = Config
@@ -290,6 +417,8 @@ def _describe(exc: ValidationError) -> str:
             close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""
             lines.append(f"unknown config key {key!r}: {hint}valid keys here are {valid}")
+        elif not location:  # a check across keys: its message names them
+            lines.append(str(error["msg"]).removeprefix("Value error, "))
         else:
             value = error.get("input")
             lines.append(

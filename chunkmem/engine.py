@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 
 from chunkmem.chunk import ChunkKind
 from chunkmem.config import Config
-from chunkmem.errors import CollectiveError, EngineUsageError
+from chunkmem.errors import CollectiveError, EngineUsageError, TierDataError
 from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
@@ -222,7 +222,7 @@ class Engine:
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
             self.reducer.finish_backward()
         except BaseException as error:
-            self._abort(error)
+            self._abort_update(error, "engine.backward()")
             raise
         self.phase = EnginePhase.BACKWARD_DONE
 
@@ -241,7 +241,6 @@ class Engine:
         if self.micro_steps < self.config.gradient_accumulation_steps:
             self.phase = EnginePhase.IDLE
             return False
-        self.optimizer.layouts_updated = 0
         try:
             if self.states.homes is None:
                 peak = max(self.tracer.observed.nonmodel_peak, default=0)
@@ -254,14 +253,7 @@ class Engine:
                 self.optimizer.step(divisor)
             self.scaler.update(found_inf)
         except BaseException as error:
-            updated = self.optimizer.layouts_updated
-            self._abort(error)
-            if updated and self.stopped_because is None:
-                self._stop(
-                    f"engine.step() failed after it began updating {updated} chunk group(s) of "
-                    f"parameters ({type(error).__name__}: {error}); the others were not "
-                    f"updated, so the model is no longer one consistent state"
-                )
+            self._abort_update(error, "engine.step()")
             raise
         self._end_cycle()
         self.global_steps += 1
@@ -280,6 +272,13 @@ class Engine:
         if self.config.precision == "fp16":
             return True, 1.0  # an overflow: the loss scaler backs off
         step = self.global_steps + 1
+        begun = self.optimizer.layouts_updated
+        if begun:  # offload.overlap updated these in backward: nothing to skip or undo
+            raise FloatingPointError(
+                f"step {step}: the global gradient norm is {norm}, and {begun} chunk group(s) "
+                f"were already updated during backward (offload.overlap); the engine cannot "
+                f"undo them. Restore the last checkpoint"
+            )
         if self.config.nonfinite == "skip":
             _log.warning("step %d skipped: the gradient norm is %s (nonfinite: skip)", step, norm)
             return True, 1.0
@@ -301,6 +300,23 @@ class Engine:
         self.micro_steps = 0
         self.phase = EnginePhase.IDLE
 
+    def _abort_update(self, error: BaseException, call: str) -> None:
+        """Abort after ``error`` in a call that may have begun updating parameters (the
+        step; backward with ``offload.overlap``): if it did, or a tier lost chunk content,
+        the engine stops."""
+        updated = self.optimizer.layouts_updated
+        self._abort(error)
+        if self.stopped_because is not None:
+            return
+        if updated:
+            self._stop(
+                f"{call} failed after it began updating {updated} chunk group(s) of "
+                f"parameters ({type(error).__name__}: {error}); the others were not "
+                f"updated, so the model is no longer one consistent state"
+            )
+        elif isinstance(error, TierDataError):
+            self._stop(f"optimizer states were lost ({error})")
+
     def _abort(self, error: BaseException) -> None:
         """Undo the cycle after ``error``: every owner releases what it holds (hook frames,
         transient pins, reductions and gathers in flight, gradients, parameter slots that
@@ -312,6 +328,7 @@ class Engine:
             with contextlib.ExitStack() as releases:
                 releases.callback(self.gatherer.cancel)
                 releases.callback(self.grads.discard)
+                releases.callback(self.optimizer.cancel)  # runs first: it reads gradients
         except CollectiveError as cancel_error:
             error = cancel_error
         finally:
@@ -334,6 +351,12 @@ class Engine:
         optimizer states are untouched, and the next forward starts a fresh cycle (e.g. after
         a loss that is not finite, or a batch the caller decides to skip)."""
         self._check_not_stopped()
+        if self.optimizer.layouts_updated:
+            raise EngineUsageError(
+                f"engine.discard(): the update of {self.optimizer.layouts_updated} chunk "
+                f"group(s) already ran in backward (offload.overlap) and cannot be undone; "
+                f"call engine.step() to complete it"
+            )
         self._abort(EngineUsageError("discarded"))
 
     def _stop(self, reason: str) -> None:
@@ -461,9 +484,10 @@ class Engine:
     def close(self) -> None:
         """Give the model back: its parameters become ordinary tensors again, holding their
         current values (fp32 masters where there are any) in their original dtype and on
-        their original device, and every hook this engine put on the model is removed. The
-        model may then be wrapped by a new engine. Under ZeRO every rank must call it (the
-        shards are gathered). Closing twice does nothing."""
+        their original device, every hook this engine put on the model is removed, and the
+        tiers are closed (the NVMe tier's files are removed). The model may then be wrapped
+        by a new engine. Under ZeRO every rank must call it (the shards are gathered).
+        Closing twice does nothing."""
         if self._closed:
             return
         try:
@@ -476,6 +500,7 @@ class Engine:
                 handle.remove()
             self._grad_hook_handles.clear()
             _ENGINE_OF.pop(self.module, None)
+            self.residency.tiers.close()  # after the values were read from them
 
     def _restore_parameters(self) -> None:
         params = self.params

@@ -76,3 +76,23 @@ class CollectiveError(ChunkmemError, RuntimeError):
         # launcher collecting failures): the default pickling would pass only the message.
         args = (self.op, self.group, self.ranks, self.elapsed_s, self.timeout_s, self.cause)
         return type(self), args
+
+
+class TierError(ChunkmemError):
+    """A storage tier outside memory (the NVMe tier's files) failed; names the path and bytes."""
+
+
+class TierSetupError(TierError, OSError):
+    """A tier cannot be used as configured (an unwritable directory, too little free space);
+    raised at initialize, before anything is stored there."""
+
+
+class TierFullError(TierError, OSError):
+    """A tier had no room for a new payload (the disk filled up, a file-size limit). Nothing
+    was lost: the chunk stays where it was and the partial file is removed."""
+
+
+class TierDataError(TierError, OSError):
+    """A chunk's content on a tier is lost: a read returned fewer bytes than were written, a
+    checksum did not match, or a write failed after the source was released. The engine stops:
+    the optimizer states are no longer whole."""

@@ -111,12 +111,18 @@ class GradStore:
         slot.needs_grad_chunk = True
         grad_chunk = self.home(slot)
         self.residency.ensure_on_device([param_chunk, grad_chunk])
-        self.residency.ready(master)
         grad_chunk.view(slot).copy_(param_chunk.view(slot))
-        param_chunk.view(slot).copy_(master.view(slot))
+        param_chunk.view(slot).copy_(self._master_value(master, slot))
         slot.grad_in_param_slot = False
         self.binder.bind(slot, param_chunk)
         self.repaired_grad_slots.append(slot.name)
+
+    def _master_value(self, master: Chunk, slot: TensorSlot) -> torch.Tensor:
+        """The slot's fp32 value in its master chunk, wherever that lives (read from a tier
+        that is not addressable)."""
+        values = self.residency.contents(master)
+        begin = slot.offset - master.start
+        return values[begin : begin + slot.numel].view(slot.shape)
 
     def views(self, slots: list[TensorSlot]) -> list[torch.Tensor]:
         """Whole-slot gradient views of one unsharded layout (a cached list when they agree)."""
@@ -145,8 +151,7 @@ class GradStore:
             chunks = slot.layout.chunks
             param_chunk, master = chunks[ChunkKind.PARAM], chunks[ChunkKind.MASTER]
             self.residency.ready(param_chunk)
-            self.residency.ready(master)
-            param_chunk.view(slot).copy_(master.view(slot))
+            param_chunk.view(slot).copy_(self._master_value(master, slot))
             self.residency.transfer(
                 param_chunk, master.tier, param_chunk.tier, slot.numel * 2, "restore"
             )

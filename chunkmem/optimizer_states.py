@@ -1,11 +1,13 @@
 """Optimizer-state chunks: where each layout's states live, and the chunk set of its update.
 
 After the first cycle each trainable layout's states (fp32 master, ``exp_avg``,
-``exp_avg_sq``, over the span this rank holds) get a fixed home: the device while the traced
-margin allows, else the spill tier (the host). Moving 12 bytes per parameter through the
+``exp_avg_sq``, over the span this rank holds) get a fixed home: the device, the host, or a
+tier offload names (NVMe), by the config's placement (``offload.optimizer`` and
+``optimizer_ratio``) and the traced device margin. Moving 12 bytes per parameter through the
 device every step would cost far more than streaming 2 bytes of gradient down and 2 bytes
-of value up, so homes do not change. The update of a layout runs at its home with every
-chunk it touches pinned for the duration (:meth:`OptimizerStates.update_chunks`).
+of value up, so homes do not change. The update of a layout runs on its *work tier*: the
+home, or the spill tier (host memory) for a home that is not addressable, whose states are
+read in before the update and written back after it (:meth:`OptimizerStates.update_chunks`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,23 @@ import torch
 
 from chunkmem.chunk import DYNAMIC_KINDS, Chunk, ChunkKind, ChunkLayout
 from chunkmem.params import ParamStore
-from chunkmem.placement import optimizer_state_device_groups
+from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.residency import Residency
-from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span
+from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Waitable
 from chunkmem.tiers import StorageTier
 
 _UPDATE_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.GRAD_SHARD)
+STATE_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+_MOMENTS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 
 
 class OptimizerStates:
-    """Homes of the optimizer-state chunks and the chunks each layout's update needs."""
+    """Homes of the optimizer-state chunks and the chunks each layout's update needs.
+
+    ``mode``: auto | device | host | nvme (``offload.optimizer``); ``offload_to`` is the tier
+    host or nvme names, which takes the fraction ``ratio`` of the state elements (the other
+    groups are placed as auto). ``offloaded_state_dtype`` is the moments' dtype there.
+    """
 
     def __init__(
         self,
@@ -36,6 +45,9 @@ class OptimizerStates:
         gatherer: ParamGatherer,
         reducer: GradReducer,
         mode: str,
+        offload_to: StorageTier | None = None,
+        ratio: float = 1.0,
+        offloaded_state_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.params = params
         self.residency = residency
@@ -43,6 +55,9 @@ class OptimizerStates:
         self.gatherer = gatherer
         self.reducer = reducer
         self.mode = mode
+        self.offload_to = offload_to
+        self.ratio = ratio
+        self.offloaded_state_dtype = offloaded_state_dtype
         self.homes: dict[int, StorageTier] | None = None  # layout index -> tier
         # Moments loaded from a checkpoint before the first step: place() starts from them.
         self._preloaded: dict[tuple[int, ChunkKind], torch.Tensor] = {}
@@ -54,12 +69,19 @@ class OptimizerStates:
     def place(self, peak_nonmodel: int) -> None:
         """Choose each trainable layout's home and allocate its state chunks.
 
-        The device margin left beside the non-model peak and the dynamically placed chunks
-        (parameters and gradients; chunks that exist only around their use count as two whole
-        chunks in flight) takes whole groups in order; the rest stay on the spill tier.
+        The groups ``offload_to`` takes are the last ones; of the others, the device margin
+        left beside the non-model peak and the dynamically placed chunks (parameters and
+        gradients; chunks that exist only around their use count as two whole chunks in
+        flight) takes whole groups in order, and the rest stay on the spill tier. A failure
+        (no room on a tier) undoes the placement: the next step tries again.
         """
         layouts = self.params.trainable_layouts()
-        per_element = 8 + (4 if self.params.keep_fp32_master else 0)
+        elements = [self.state_span(layout)[1] for layout in layouts]
+        offloaded = 0
+        if self.offload_to is not None:
+            offloaded = offloaded_group_count(elements, self.ratio)
+        rest = len(layouts) - offloaded
+        master_bytes = 4 if self.params.keep_fp32_master else 0
         transient = self.gatherer.transient_kinds() | self.reducer.transient_kinds()
         chunks = self.residency.chunks.values()
         dynamic = sum(c.nbytes for c in chunks if c.kind in DYNAMIC_KINDS - transient)
@@ -70,43 +92,72 @@ class OptimizerStates:
             self.residency.placement.capacity,
             peak_nonmodel,
             dynamic,
-            [self.state_span(layout)[1] * per_element for layout in layouts],
-            self.mode,
+            [n * (8 + master_bytes) for n in elements[:rest]],
+            "device" if self.mode == "device" else "auto",
         )
         residency = self.residency
         self.homes = {}
-        for position, layout in enumerate(layouts):
-            home = residency.compute if position < on_device else residency.tiers.spill
-            self.homes[layout.index] = home
-            span = self.state_span(layout)
-            master = layout.chunks.get(ChunkKind.MASTER)
-            if master is not None and home.compute:
-                residency.make_room(master.nbytes, set(), "optimizer home", "capacity")
-                residency.move(master, home, "optimizer home")
-            for kind in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
-                if home.compute:
-                    residency.make_room(span[1] * 4, set(), "optimizer home", "capacity")
-                else:  # parameters the recording cycle evicted may go back to a roomy device
-                    residency.make_tier_room(home, span[1] * 4, set(), "capacity")
-                chunk = residency.new_chunk(layout, kind, torch.float32, home, span)
-                preloaded = self._preloaded.pop((layout.index, kind), None)
-                if preloaded is not None:
-                    chunk.payload.copy_(preloaded)  # type: ignore[union-attr]
-                    residency.transfer(chunk, residency.tiers.spill, home, chunk.nbytes, "load")
+        try:
+            for position, layout in enumerate(layouts):
+                if position >= rest:
+                    home = self.offload_to
+                elif position < on_device:
+                    home = residency.compute
+                else:
+                    home = residency.tiers.spill
+                assert home is not None
+                self.homes[layout.index] = home
+                self._allocate_states(layout, home)
+        except BaseException:
+            self._undo_placement(layouts)
+            raise
+        self._preloaded.clear()
 
-    def state_values(self, layout: ChunkLayout, kind: ChunkKind) -> torch.Tensor | None:
-        """The ``exp_avg``/``exp_avg_sq`` of ``layout`` over its state span, to read or write
-        in place: the chunk's payload once placed, values loaded before the first step, or
-        None (never stepped: zeros)."""
-        chunk = layout.chunks.get(kind)
-        if chunk is not None:
-            self.residency.ready(chunk)
-            return chunk.payload
+    def _allocate_states(self, layout: ChunkLayout, home: StorageTier) -> None:
+        residency = self.residency
+        span = self.state_span(layout)
+        dtype = torch.float32 if home.compute else self.offloaded_state_dtype
+        # A payload for a non-addressable home starts on the spill tier (see the residency).
+        first = home if home.addressable else residency.tiers.spill
+        master = layout.chunks.get(ChunkKind.MASTER)
+        if master is not None and home is not master.tier:
+            if home.compute:
+                residency.make_room(master.nbytes, set(), "optimizer home", "capacity")
+            residency.move(master, home, "optimizer home")
+        for kind in _MOMENTS:
+            nbytes = span[1] * dtype.itemsize
+            if home.compute:
+                residency.make_room(nbytes, set(), "optimizer home", "capacity")
+            else:  # parameters the recording cycle evicted may go back to a roomy device
+                residency.make_tier_room(first, nbytes, set(), "capacity")
+            chunk = residency.new_chunk(layout, kind, dtype, first, span)
+            preloaded = self._preloaded.get((layout.index, kind))
+            if preloaded is not None:
+                chunk.payload.copy_(preloaded)  # type: ignore[union-attr]
+                residency.transfer(chunk, residency.tiers.spill, first, chunk.nbytes, "load")
+            residency.move(chunk, home, "allocate")  # a no-op unless home is not addressable
+
+    def _undo_placement(self, layouts: list[ChunkLayout]) -> None:
+        """After a failed placement: no moments, masters back on the spill tier."""
+        residency = self.residency
+        for layout in layouts:
+            for kind in _MOMENTS:
+                chunk = layout.chunks.get(kind)
+                if chunk is not None:
+                    residency.drop_chunk(chunk)
+            master = layout.chunks.get(ChunkKind.MASTER)
+            if master is not None and master.tier is not residency.tiers.spill:
+                residency.move(master, residency.tiers.spill, "optimizer home undone")
+        self.homes = None
+
+    def preloaded(self, layout: ChunkLayout, kind: ChunkKind) -> torch.Tensor | None:
+        """``layout``'s ``kind`` moment loaded from a checkpoint before it has a chunk."""
         return self._preloaded.get((layout.index, kind))
 
     def preload(self, layout: ChunkLayout, kind: ChunkKind) -> torch.Tensor:
-        """Host memory, zeroed, for ``layout``'s ``kind`` state before it has a chunk; the
-        chunk starts from it when the first step places the states."""
+        """Host memory, zeroed, for ``layout``'s ``kind`` moment before it has a chunk (fp32,
+        over the state span); the chunk starts from it when the first step places the
+        states, wherever and in whichever dtype they go."""
         assert self.homes is None, "states are placed: write into their chunks"
         values = torch.zeros(self.state_span(layout)[1], dtype=torch.float32)
         self._preloaded[(layout.index, kind)] = values
@@ -116,17 +167,74 @@ class OptimizerStates:
         assert self.homes is not None, "optimizer states are placed at the first step"
         return self.homes[layout.index]
 
+    def work_tier(self, layout: ChunkLayout) -> StorageTier:
+        """Where the layout's update computes: its home, or the spill tier (host memory) for
+        a home that is not addressable."""
+        home = self.home(layout)
+        return home if home.addressable else self.residency.tiers.spill
+
+    def can_update_now(self, layout: ChunkLayout) -> bool:
+        """Whether the chunks an update moves to its work tier may move now (in backward, a
+        unit still computing holds its parameter chunk)."""
+        chunks = layout.chunks
+        if self.home(layout).compute or ChunkKind.MASTER in chunks:
+            return True  # nothing moves
+        work = self.work_tier(layout)
+        return all(
+            chunks[k].tier is work or chunks[k].movable()
+            for k in _UPDATE_KINDS
+            if k in chunks and chunks[k].tier is not None
+        )
+
+    def prefetch(self, layout: ChunkLayout) -> None:
+        """Start reading the states of ``layout`` (needed next) from a home that is not
+        addressable, as far as the spill tier has room without evicting anything."""
+        home = self.home(layout)
+        if home.addressable:
+            return
+        residency = self.residency
+        spill = residency.tiers.spill
+        for kind in STATE_KINDS:
+            chunk = layout.chunks.get(kind)
+            if chunk is None or chunk.tier is not home or not chunk.movable():
+                continue
+            if not residency.ledger.would_fit(spill.name, chunk.nbytes):
+                return
+            residency.move(chunk, spill, "prefetch states")
+
+    def flush(self) -> None:
+        """Every state at its home when the step ends: states read ahead for an update that
+        did not come (a layout without gradients) go back, and the writes to homes that are
+        not addressable are waited for, so a write that failed raises in the step that made
+        it."""
+        assert self.homes is not None
+        for layout in self.params.trainable_layouts():
+            home = self.home(layout)
+            if home.addressable:
+                continue
+            for kind in STATE_KINDS:
+                chunk = layout.chunks.get(kind)
+                if chunk is not None:
+                    self.residency.move(chunk, home, "step")
+                    self.residency.ready(chunk)
+
     @contextlib.contextmanager
-    def update_chunks(self, layout: ChunkLayout) -> Iterator[dict[ChunkKind, Chunk]]:
-        """A layout's chunks, ready at its home and pinned for the update.
+    def update_chunks(
+        self, layout: ChunkLayout, reads: list[Waitable] | None = None
+    ) -> Iterator[dict[ChunkKind, Chunk]]:
+        """A layout's chunks, ready on its work tier and pinned for the update.
 
         A device home needs the parameter and gradient chunks on the device. A host home with
         fp32 masters leaves them where they are: gradients stream to the host and updated
         16-bit values stream back, so a chunk on the device stays there for the next forward.
         fp32 training has no master: its parameter chunk is what the host updates, so it and
-        the gradients come to the host.
+        the gradients come to the host. States whose home is not addressable are read into
+        the spill tier first and written back on a normal exit. Given a ``reads`` list, the
+        reads still in flight are appended to it instead of waited for (an update run on
+        another thread waits for them there).
         """
         home = self.home(layout)
+        work = self.work_tier(layout)
         chunks = layout.chunks
         storage = [chunks[k] for k in _UPDATE_KINDS if k in chunks and chunks[k].tier is not None]
         residency = self.residency
@@ -137,7 +245,20 @@ class OptimizerStates:
         elif ChunkKind.MASTER not in chunks:
             for chunk in storage:
                 residency.touch(chunk, on_device=False)
-                residency.move(chunk, home, "step")
+                residency.move(chunk, work, "step")
+        states = [chunks[k] for k in STATE_KINDS if k in chunks]
+        if work is not home:
+            for chunk in states:
+                residency.move(chunk, work, "step")
         present = {k: c for k, c in chunks.items() if c.tier is not None}
-        with residency.pinned(present.values()):
+        read = [c for c in states if c.arriving is not None] if reads is not None else []
+        with (
+            residency.pinned([c for c in present.values() if c not in read]),
+            residency.pinned(read, wait=False),
+        ):
+            if reads is not None:
+                reads.extend(c.arriving for c in read)  # type: ignore[misc]
             yield present
+        if work is not home:
+            for chunk in states:
+                residency.move(chunk, home, "step")

@@ -168,16 +168,16 @@ class ParamStore:
         """
         chunks = layout.chunks
         source = chunks.get(ChunkKind.MASTER) or chunks[ChunkKind.PARAM]
-        self.residency.ready(source)
+        values = self.residency.contents(source)
         if any(s.grad_in_param_slot for s in layout.slots) and source.kind is ChunkKind.PARAM:
             raise RuntimeError(
                 "parameters hold their gradients until the optimizer step; read values between steps"
             )
         if source.is_whole:
-            return source.payload.to("cpu", copy=True)
+            return values.to("cpu", copy=True)
         # The collective runs on the compute device (NCCL takes only GPU tensors).
         device = self.residency.device.torch_device
-        payload = source.payload.to(device)
+        payload = values.to(device)
         full = torch.empty(layout.capacity, dtype=source.dtype, device=device)
         self.sharding.all_gather(payload, full)
         return full.cpu()

@@ -260,3 +260,20 @@ def optimizer_state_device_groups(
         free -= size
         count += 1
     return count
+
+
+def offloaded_group_count(group_elements: Sequence[int], ratio: float) -> int:
+    """How many optimizer-state groups, taken from the last in step order, hold at least
+    ``ratio`` of the elements (``offload.optimizer_ratio``, rounded up to whole groups).
+
+    The last groups are packed last and so are the first whose gradients are final in
+    backward: updated on the host, they overlap the most of the remaining backward.
+    """
+    target = ratio * sum(group_elements)
+    count, taken = 0, 0
+    for size in reversed(group_elements):
+        if taken >= target:
+            break
+        taken += size
+        count += 1
+    return count

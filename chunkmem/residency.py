@@ -93,7 +93,14 @@ class Residency:
 
     def allocate_payload(self, chunk: Chunk, tier: StorageTier, zeroed: bool = True) -> None:
         """Give a chunk without payload one on ``tier``; no bytes move. ``zeroed=False`` for
-        a payload the caller overwrites entirely (a gather or reduce-scatter target)."""
+        a payload the caller overwrites entirely (a gather or reduce-scatter target).
+
+        A non-addressable tier's payloads are written only by copies: the chunk starts on the
+        spill tier and moves there (``zeroed`` is then implied)."""
+        if not tier.addressable:
+            self.allocate_payload(chunk, self.tiers.spill)
+            self.move(chunk, tier, "allocate")
+            return
         what = f"a {chunk.kind.value} chunk"
         if tier.compute:
             self.trace_nonmodel_peak()
@@ -119,6 +126,13 @@ class Residency:
         if on_device:
             self._restart_nonmodel_peak()
         self.tracer.on_free(chunk.id)
+
+    def drop_chunk(self, chunk: Chunk) -> None:
+        """Free the chunk's payload and forget the chunk (a placement that was undone)."""
+        self.free_payload(chunk)
+        del self.chunks[chunk.id]
+        if chunk.layout.chunks.get(chunk.kind) is chunk:
+            del chunk.layout.chunks[chunk.kind]
 
     def _set_payload(
         self, chunk: Chunk, payload: torch.Tensor | None, tier: StorageTier | None
@@ -159,12 +173,26 @@ class Residency:
             event, chunk.pending_event = chunk.pending_event, None
             chunk.tier.wait(event)  # type: ignore[union-attr]
 
+    def contents(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's content as a tensor: its payload, ready; or, on a non-addressable tier,
+        a copy read into host memory (the chunk stays where it is)."""
+        self.ready(chunk)
+        tier = chunk.tier
+        assert tier is not None and chunk.payload is not None, f"{chunk!r} has no payload"
+        if tier.addressable:
+            return chunk.payload
+        copy = torch.empty(chunk.numel, dtype=chunk.dtype)
+        tier.copy_out(chunk.payload, copy).wait()
+        return copy
+
     @contextlib.contextmanager
-    def pinned(self, chunks: Iterable[Chunk]) -> Iterator[None]:
-        """Hold ``chunks`` where they are (ready to read) for the block, released on any exit."""
+    def pinned(self, chunks: Iterable[Chunk], wait: bool = True) -> Iterator[None]:
+        """Hold ``chunks`` where they are (ready to read, unless ``wait`` is False: then the
+        reader waits for ``chunk.arriving`` itself) for the block, released on any exit."""
         held = list(chunks)
-        for chunk in held:
-            self.ready(chunk)
+        if wait:
+            for chunk in held:
+                self.ready(chunk)
         for chunk in held:
             chunk.pin()
         try:
@@ -175,10 +203,21 @@ class Residency:
 
     # ------------------------------------------------------------------ moving
     def move(self, chunk: Chunk, dst: StorageTier, reason: str) -> None:
+        """Copy the chunk's payload to ``dst`` and free the old one.
+
+        A non-addressable tier exchanges payloads with the spill tier only (see
+        :mod:`chunkmem.tiers`): a move between it and any other tier is two moves through the
+        spill tier. A copy that fails to start leaves the chunk where it was.
+        """
         src = chunk.tier
         if src is dst:
             return
         assert src is not None and chunk.payload is not None
+        spill = self.tiers.spill
+        if not (src.addressable and dst.addressable) and spill not in (src, dst):
+            self.move(chunk, spill, reason)
+            self.move(chunk, dst, reason)
+            return
         if not chunk.movable():
             raise AssertionError(f"{chunk!r} is in use and cannot move ({reason})")
         if not dst.compute:
@@ -186,22 +225,29 @@ class Residency:
         device_bytes_change = src.compute or dst.compute
         if device_bytes_change:
             self.trace_nonmodel_peak()
+        owner = f"chunk {chunk.id}"
         self.ledger.allocate(
-            dst.name,
-            chunk.kind.value,
-            chunk.nbytes,
-            f"moving {chunk!r} to {dst.name}",
-            f"chunk {chunk.id}",
+            dst.name, chunk.kind.value, chunk.nbytes, f"moving {chunk!r} to {dst.name}", owner
         )
+        try:
+            self.ready(chunk)
+            if src.addressable:
+                payload, event = dst.copy_in(chunk.payload)
+                arriving = None
+            else:  # read into a new payload of the spill tier
+                payload, event = dst.allocate(chunk.numel, chunk.dtype), None
+                arriving = src.copy_out(chunk.payload, payload)
+        except BaseException:
+            self.ledger.free(dst.name, chunk.kind.value, chunk.nbytes, owner)
+            raise
         if src.compute and self.listener is not None:
             self.listener.chunk_leaving(chunk)
-        self.ready(chunk)
-        payload, event = dst.copy_in(chunk.payload)
-        self.ledger.free(src.name, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
+        self.ledger.free(src.name, chunk.kind.value, chunk.nbytes, owner)
         self._set_payload(chunk, payload, dst)
         if device_bytes_change:
             self._restart_nonmodel_peak()
         chunk.pending_event = event
+        chunk.arriving = arriving
         self.ledger.record_move(
             chunk.id, chunk.kind.value, src.name, dst.name, chunk.nbytes, reason
         )
@@ -399,8 +445,8 @@ class Residency:
         )
         for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
             chunk = self.chunks.get(chunk_id)
-            if chunk is None or chunk.tier is None or chunk.on_device:
-                continue  # on the device already, or nothing to copy (gathered, freed)
+            if chunk is None or chunk.tier is None or chunk.on_device or not chunk.movable():
+                continue  # on the device already, nothing to copy (gathered, freed), in use
             window_budget = self.placement.chunk_budget(
                 self.tracer, self.static_device_bytes(), moments_ahead=ahead
             )

@@ -133,11 +133,66 @@ class ParamGatherer:
         return frozenset()
 
 
+class GradientsListener(Protocol):
+    """Hears, in the last micro-batch's backward, when a layout's gradients are final."""
+
+    def begin(self) -> None:
+        """A backward whose gradients the next update reads starts."""
+
+    def final(self, layout: ChunkLayout) -> None:
+        """Every gradient of ``layout`` the previous cycle saw is in and, under ZeRO,
+        reduce-scattered: the update may read this rank's span of it."""
+
+    def writing(self, layout: ChunkLayout) -> None:
+        """A gradient is about to be written into ``layout``'s gradient chunks."""
+
+
+class ExpectedGradients:
+    """Which slots of each layout got a gradient in this backward, against the previous
+    cycle's: a layout whose expected gradients are all in is final (unless the pattern
+    changed, which a late gradient then shows)."""
+
+    def __init__(self) -> None:
+        self._stored: dict[int, set[int]] = {}  # layout -> slots that got a gradient
+        self._expected: dict[int, set[int]] = {}  # learned from the previous cycle
+
+    @property
+    def learned(self) -> bool:
+        return bool(self._expected)
+
+    def begin(self) -> None:
+        self._stored = {}
+
+    def add(self, slot: TensorSlot) -> None:
+        self._stored.setdefault(slot.layout.index, set()).add(id(slot))
+
+    def complete(self, layout: ChunkLayout) -> bool:
+        return self._expected.get(layout.index, set()) <= self._stored.get(layout.index, set())
+
+    def expects(self, layout: ChunkLayout) -> bool:
+        return bool(self._expected.get(layout.index))
+
+    def learn(self) -> None:
+        self._expected = {index: set(stored) for index, stored in self._stored.items()}
+
+
 class GradReducer:
     """How gradients become the ones this rank's update reads.
 
-    A world of one updates from the gradients where backward wrote them.
+    A world of one updates from the gradients where backward wrote them. A ``listener``
+    (``offload.overlap``) hears when each layout's gradients are final.
     """
+
+    def __init__(self) -> None:
+        self.listener: GradientsListener | None = None
+        self._final_micro_batch = True
+        self._arrived = ExpectedGradients()
+        self._announced: set[int] = set()
+
+    def _announce_final(self, layout: ChunkLayout) -> None:
+        if self.listener is not None and layout.index not in self._announced:
+            self._announced.add(layout.index)
+            self.listener.final(layout)
 
     def grad_source(self, slot: TensorSlot) -> Chunk:
         """The chunk holding ``slot``'s gradient for the update (for this rank's span)."""
@@ -146,15 +201,31 @@ class GradReducer:
 
     def begin_backward(self, final_micro_batch: bool) -> None:
         """A backward starts; the last micro-batch of an accumulation window is final."""
+        self._final_micro_batch = final_micro_batch
+        self._arrived.begin()
+        self._announced = set()
+        if final_micro_batch and self.listener is not None:
+            self.listener.begin()
 
     def before_write(self, layout: ChunkLayout) -> None:
         """A gradient is about to be added to ``layout``'s gradient chunk."""
+        if self.listener is not None:
+            self.listener.writing(layout)
 
     def stored(self, slot: TensorSlot) -> None:
         """``slot``'s gradient of this backward is in its chunk."""
+        if self.listener is None or not self._final_micro_batch:
+            return
+        arrived = self._arrived
+        arrived.add(slot)
+        layout = slot.layout
+        if arrived.learned and arrived.expects(layout) and arrived.complete(layout):
+            self._announce_final(layout)
 
     def finish_backward(self) -> None:
         """Backward ended normally."""
+        if self.listener is not None and self._final_micro_batch:
+            self._arrived.learn()
 
     def before_step(self) -> None:
         """Every gradient the update reads must be final now (every rank calls it)."""

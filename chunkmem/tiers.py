@@ -8,8 +8,10 @@ line where the engine builds its :class:`TierSet`; nothing in residency or the l
 
 [Note: compute and addressable] ``compute`` marks the one tier operators run on (the
 device): parameters bind to views there and placement budgets it. ``addressable`` says a
-payload is a tensor the engine may read and write in place (device and host pools); a tier
-whose payloads are not (files on NVMe) is reached by copying into an addressable tier first.
+payload is a tensor the engine may read and write in place (device and host pools). A tier
+whose payloads are not (files on NVMe, ``offload.nvme``) exchanges them with the spill tier
+only: it writes in ``copy_in`` (from a spill-tier tensor) and reads in ``copy_out`` (into
+one), and the residency routes every other move through the spill tier.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from chunkmem.devices import ComputeDevice
+from chunkmem.sharding import Waitable
 
 
 class StorageTier(abc.ABC):
@@ -29,6 +32,9 @@ class StorageTier(abc.ABC):
     compute: bool = False
     addressable: bool = True
     capacity: int | None = None
+    # Host memory the tier keeps for itself (staging buffers), counted in the ledger as a
+    # workspace of the spill tier for the engine's life.
+    staging_bytes: int = 0
 
     @abc.abstractmethod
     def allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -46,6 +52,16 @@ class StorageTier(abc.ABC):
     @abc.abstractmethod
     def wait(self, event: object | None) -> None:
         """Before a payload of this tier is used: wait for the copy ``event`` stands for."""
+
+    def copy_out(self, payload: object, into: torch.Tensor) -> Waitable:
+        """Non-addressable tiers: start copying ``payload`` into ``into`` (a tensor of the
+        spill tier); returns what its reader waits for. An addressable tier's payloads are
+        read by the destination's ``copy_in``."""
+        raise NotImplementedError(f"{self!r} is addressable: the destination's copy_in reads it")
+
+    def close(self) -> None:  # noqa: B027 - most tiers hold nothing outside the ledger
+        """The engine is done: release what the tier holds outside the ledger (files,
+        threads). Payloads must not be used afterwards."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"
@@ -127,3 +143,14 @@ class TierSet:
 
     def capacities(self) -> dict[str, int | None]:
         return {t.name: t.capacity for t in self}
+
+    def close(self) -> None:
+        """Close every tier (each one, even if another raises; the first error is raised)."""
+        error: BaseException | None = None
+        for tier in self:
+            try:
+                tier.close()
+            except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest
+                error = error or exc
+        if error is not None:
+            raise error

@@ -5,6 +5,8 @@
   truth), a native CPU library and a CUDA library.
 - `kernels.host_optim`: Adam/AdamW and SGD steps on host buffers, bit-identical to torch's fused
   CPU kernels, with a one-pass mixed-precision step (docs/host_optim.md).
+- `kernels.checksum`: CRC32C of host buffers with the SSE4.2 instruction, the NVMe tier's block
+  checksum (docs/offload.md).
 """
 
 from kernels import host_optim

@@ -66,7 +66,8 @@ def _addr_array(tensors: list[torch.Tensor | None]) -> ctypes.Array:
 
 
 class NativeKernels:
-    """The kernels of one loaded library, called with tensors.
+    """The kernels of one loaded library, called with tensors. Each writes into `out` when it
+    is given (checked by kernels.ops) and into a fresh buffer otherwise.
 
     `extra_args` supplies trailing arguments per call (the CUDA stream); `device_guard` makes
     the tensors' device current around a call (a CUDA launch goes to the current device, and
@@ -129,9 +130,15 @@ class NativeKernels:
         )
 
     def quantize(
-        self, x: torch.Tensor, bits: int, group_size: int, symmetric: bool
+        self,
+        x: torch.Tensor,
+        bits: int,
+        group_size: int,
+        symmetric: bool,
+        out: QuantizedTensor | None = None,
     ) -> QuantizedTensor:
-        out = self._empty_quantized(x.numel(), bits, group_size, symmetric, x.dtype, x.device)
+        if out is None:
+            out = self._empty_quantized(x.numel(), bits, group_size, symmetric, x.dtype, x.device)
         self._call(
             "quantize",
             x.device,
@@ -156,9 +163,11 @@ class NativeKernels:
         bits: int,
         group_size: int,
         symmetric: bool,
+        out: QuantizedTensor | None = None,
     ) -> QuantizedTensor:
-        numel = nodes * devices_per_node * slice_numel
-        out = self._empty_quantized(numel, bits, group_size, symmetric, x.dtype, x.device)
+        if out is None:
+            numel = nodes * devices_per_node * slice_numel
+            out = self._empty_quantized(numel, bits, group_size, symmetric, x.dtype, x.device)
         self._call(
             "swizzled_quantize",
             x.device,
@@ -185,9 +194,15 @@ class NativeKernels:
             len(inputs),
         )
 
-    def dequant_reduce(self, inputs: list[QuantizedTensor], out_dtype: torch.dtype) -> torch.Tensor:
+    def dequant_reduce(
+        self,
+        inputs: list[QuantizedTensor],
+        out_dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         first = inputs[0]
-        out = torch.empty(first.numel, dtype=out_dtype, device=first.device)
+        if out is None:
+            out = torch.empty(first.numel, dtype=out_dtype, device=first.device)
         self._call(
             "dequant_reduce",
             first.device,
@@ -201,11 +216,19 @@ class NativeKernels:
         )
         return out
 
-    def dequant_reduce_requant(self, inputs: list[QuantizedTensor]) -> QuantizedTensor:
+    def dequant_reduce_requant(
+        self, inputs: list[QuantizedTensor], out: QuantizedTensor | None = None
+    ) -> QuantizedTensor:
         first = inputs[0]
-        out = self._empty_quantized(
-            first.numel, first.bits, first.group_size, first.symmetric, first.dtype, first.device
-        )
+        if out is None:
+            out = self._empty_quantized(
+                first.numel,
+                first.bits,
+                first.group_size,
+                first.symmetric,
+                first.dtype,
+                first.device,
+            )
         self._call(
             "dequant_reduce_requant",
             first.device,
@@ -237,11 +260,18 @@ def load_cpu(extra_flags: Sequence[str] = ()) -> NativeKernels:
     `extra_flags` follow CPU_FLAGS; the tests pass `-mno-avx2` to build the scalar-only library
     that CPUs without AVX2 get (quant_avx2.h).
     """
+    lib, path = build_and_load_cpu(
+        "chunkmem_quant_cpu", "quant_cpu.cpp", [*CPU_FLAGS, *extra_flags]
+    )
+    return NativeKernels(lib, "cmq_cpu_", path)
+
+
+def build_and_load_cpu(name: str, source: str, flags: Sequence[str]) -> tuple[ctypes.CDLL, Path]:
+    """lib<name>.so from CSRC/``source``, compiled with $CXX (g++) and ``flags`` for this CPU on a
+    cache miss, loaded; BuildError says why it cannot be."""
     compiler = find_tool("CXX", "g++")
-    flags = [*CPU_FLAGS, *extra_flags]
-    path = build("chunkmem_quant_cpu", compiler, CSRC / "quant_cpu.cpp", flags, _cpu_identity())
+    path = build(name, compiler, CSRC / source, list(flags), _cpu_identity())
     try:
-        lib = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path)), path
     except OSError as e:
         raise BuildError(f"cannot load {path}: {e}") from e
-    return NativeKernels(lib, "cmq_cpu_", path)

@@ -30,8 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._build import CSRC, BuildError, build, find_tool
-from kernels._native import CPU_FLAGS, DTYPE_CODES, _cpu_identity
+from kernels._build import BuildError
+from kernels._native import CPU_FLAGS, DTYPE_CODES, build_and_load_cpu
 
 # -fno-math-errno lets sqrtf be one instruction (no errno branch); it changes no result.
 HOST_OPTIM_FLAGS = [*CPU_FLAGS, "-fno-math-errno"]
@@ -82,15 +82,9 @@ def load_library(extra_flags: Sequence[str] = ()) -> HostOptimLibrary:
     `extra_flags` follow HOST_OPTIM_FLAGS; the tests pass `-mno-avx2` to build the scalar-only
     library that CPUs without AVX2 get.
     """
-    compiler = find_tool("CXX", "g++")
-    flags = [*HOST_OPTIM_FLAGS, *extra_flags]
-    path = build(
-        "chunkmem_host_optim", compiler, CSRC / "host_optim_cpu.cpp", flags, _cpu_identity()
+    lib, path = build_and_load_cpu(
+        "chunkmem_host_optim", "host_optim_cpu.cpp", [*HOST_OPTIM_FLAGS, *extra_flags]
     )
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as e:
-        raise BuildError(f"cannot load {path}: {e}") from e
     return HostOptimLibrary(lib, path)
 
 

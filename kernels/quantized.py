@@ -45,6 +45,84 @@ def check_out_dtype(out_dtype: torch.dtype) -> None:
         )
 
 
+def check_out_tensor(
+    out: torch.Tensor, *, numel: int, out_dtype: torch.dtype | None, device: torch.device
+) -> torch.dtype:
+    """Raise unless `out` can receive `numel` values of `out_dtype` (None: any float dtype) on
+    `device` in place; returns the dtype the op writes (out's)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"out has dtype {out.dtype}; the kernels write torch.float32, torch.bfloat16 or "
+            f"torch.float16"
+        )
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise TypeError(f"out has dtype {out.dtype} but out_dtype={out_dtype}; pass one of them")
+    if out.numel() != numel:
+        raise ValueError(f"out holds {out.numel()} elements but the result has {numel}")
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the inputs are on {device}")
+    if not out.is_contiguous():
+        raise ValueError(
+            f"out is not contiguous (shape {tuple(out.shape)}, stride {out.stride()}); the "
+            f"kernels write a flat buffer"
+        )
+    return out.dtype
+
+
+def check_out_quantized(
+    out: QuantizedTensor,
+    *,
+    numel: int,
+    bits: int,
+    group_size: int,
+    symmetric: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Raise unless `out` is a QuantizedTensor of exactly the layout the op produces, on
+    `device`. (Its parts' dtypes, sizes and contiguity were checked when it was built.)"""
+    if not isinstance(out, QuantizedTensor):
+        raise TypeError(f"out must be a QuantizedTensor, got {type(out).__name__}")
+    want = dict(numel=numel, bits=bits, group_size=group_size, symmetric=symmetric, dtype=dtype)
+    for field, value in want.items():
+        if getattr(out, field) != value:
+            raise ValueError(
+                f"out.{field}={getattr(out, field)!r} but the result has {field}={value!r}; "
+                f"build out with the layout of the result"
+            )
+    if out.device != device:
+        raise ValueError(f"out is on {out.device} but the inputs are on {device}")
+    for name, t in (("data", out.data), ("scales", out.scales), ("offsets", out.offsets)):
+        if t is not None and not t.is_contiguous():
+            raise ValueError(f"out.{name} is not contiguous")
+
+
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def check_no_overlap(
+    outs: dict[str, torch.Tensor | None], inputs: dict[str, torch.Tensor | None]
+) -> None:
+    """Raise if an output buffer shares memory with an input or another output: the kernels
+    read and write in parallel, so an overlap would corrupt the result."""
+    spans = [(name, _byte_span(t)) for name, t in inputs.items() if t is not None and t.numel()]
+    for out_name, t in outs.items():
+        if t is None or not t.numel():
+            continue
+        lo, hi = _byte_span(t)
+        for name, (a, b) in spans:
+            if lo < b and a < hi:
+                raise ValueError(
+                    f"{out_name} shares memory with {name}; the kernels do not run in place, "
+                    f"pass a separate buffer"
+                )
+        spans.append((out_name, (lo, hi)))
+
+
 def num_groups(numel: int, group_size: int) -> int:
     return -(-numel // group_size)
 

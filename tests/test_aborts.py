@@ -129,7 +129,7 @@ def train(engine: chunkmem.Engine, data, fail: str | None) -> dict[str, torch.Te
 @pytest.mark.parametrize("where", ["forward", "backward"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_failed_batch_leaves_nothing_held_and_changes_nothing(where: str, precision: str) -> None:
-    config = {"precision": precision, "placement": {"optimizer_states": "host"}}
+    config = {"precision": precision, "offload": {"optimizer": "host"}}
     failed = train(make_engine(**config), batches(), fail=where)
     skipped = train(make_engine(**config), batches(), fail=None)
     for name, value in skipped.items():
@@ -170,7 +170,7 @@ def test_a_step_that_fails_half_way_stops_the_engine_and_says_why(monkeypatch) -
 def rank_run(comm, stage: int, failing_ranks: tuple[int, ...] | None) -> dict:
     """Train STEPS batches of this rank's slice; batch FAIL_AT raises in backward on
     ``failing_ranks`` (None: every rank skips it)."""
-    engine = make_engine(stage, placement={"optimizer_states": "host"})
+    engine = make_engine(stage, offload={"optimizer": "host"})
     data = batches(comm.size, comm.rank)
     outcome: dict = {"held_after_failure": None, "collective_error_after_s": None}
     for index, batch in enumerate(data):

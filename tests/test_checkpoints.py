@@ -58,7 +58,10 @@ def moments(engine: chunkmem.Engine) -> dict:
     state = {}
     for layout in engine.params.trainable_layouts():
         for kind in (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ):
-            values = engine.states.state_values(layout, kind)
+            chunk = layout.chunks.get(kind)
+            values = engine.states.preloaded(layout, kind)
+            if chunk is not None:
+                values = engine.residency.contents(chunk)
             state[(layout.index, kind.value)] = None if values is None else values.clone()
     state["steps"] = {s.name: float(c) for s, c in engine.optimizer.step_counts.items()}
     return state
@@ -608,3 +611,42 @@ def test_a_save_killed_with_sigkill_leaves_the_last_checkpoint_loadable(where, t
         torch.load(chunkmem.consolidate(tmp_path / "step_4", tmp_path / "m.pt"), weights_only=True),
         _reference_after(4),
     )
+
+
+# ------------------------------------------------------------------ states on NVMe
+
+
+def test_resume_with_optimizer_states_on_nvme(tmp_path) -> None:
+    """Masters and moments on the NVMe tier (not addressable): saving reads copies of them;
+    loading before the first step fills the moments the first step places there, and
+    loading into an engine whose states are already there writes them through host memory."""
+    from tests.offload_helpers import batches as mlp_batches
+    from tests.offload_helpers import initialize, make_model, train_engine
+
+    def make():
+        offload = {
+            "optimizer": "nvme",
+            "nvme": {"path": str(tmp_path / "nvme"), "block_size": 4096},
+        }
+        device = {"type": "simulated", "capacity": "64MiB"}
+        return initialize(make_model(), precision="bf16", device=device, offload=offload)
+
+    data = mlp_batches(6, 8)
+    straight = make()
+    train_engine(straight, data[:3])
+    assert straight.states.home(straight.params.trainable_layouts()[0]).name == "nvme"
+    straight.save_checkpoint(tmp_path / "ck")
+    train_engine(straight, data[3:])
+    expected = straight.state_dict()
+    straight.close()
+    fresh = make()
+    fresh.load_checkpoint(tmp_path / "ck")
+    train_engine(fresh, data[3:])
+    assert same(fresh.state_dict(), expected)
+    fresh.close()
+    warm = make()
+    train_engine(warm, mlp_batches(1, 8, seed=9))  # its states are placed on NVMe
+    warm.load_checkpoint(tmp_path / "ck")
+    train_engine(warm, data[3:])
+    assert same(warm.state_dict(), expected)
+    warm.close()

@@ -260,3 +260,7 @@ def test_a_model_in_another_dtype_than_the_precision_is_said_once(caplog) -> Non
     with caplog.at_level(logging.WARNING, logger="chunkmem"):
         engine_for(GPT(SMALL).to(torch.bfloat16))
     assert "parameters are bfloat16; chunkmem trains them in float32" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="chunkmem"):
+        engine_for(GPT(SMALL), precision="bf16")  # fp32 weights become the fp32 masters
+    assert "chunkmem trains them" not in caplog.text

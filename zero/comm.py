@@ -211,8 +211,11 @@ class Communicator:
     cycle number, part of every collective's identity (see ``zero.identity``).
     """
 
-    def __init__(self, world: Group, ledger: CommLedger | None = None) -> None:
+    def __init__(
+        self, world: Group, ledger: CommLedger | None = None, *, rings: bool = True
+    ) -> None:
         self.world = world
+        self.rings = rings  # gloo gathers and reduce-scatters as point-to-point rings
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
         self.cycle = 0
@@ -310,11 +313,11 @@ class Communicator:
             numel * (g.size - 1) // g.size,
             lambda tag: (
                 ring(full, shard, g.ranks, g.rank, g.process_group, reduce=False, tag=tag)
-                if _is_gloo(g)
+                if self._use_ring(g)
                 else _ALL_GATHER(full, shard, group=g.process_group, async_op=True)
             ),
             async_op,
-            ring=_is_gloo(g),
+            ring=self._use_ring(g),
         )
 
     def reduce_scatter(
@@ -332,13 +335,13 @@ class Communicator:
             numel * (g.size - 1) // g.size,
             lambda tag: (
                 ring(full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=tag)
-                if _is_gloo(g)
+                if self._use_ring(g)
                 else _REDUCE_SCATTER(
                     shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True
                 )
             ),
             async_op,
-            ring=_is_gloo(g),
+            ring=self._use_ring(g),
         )
 
     def all_reduce(
@@ -435,6 +438,9 @@ class Communicator:
         self._record("barrier", g, 0, 0, None)
         # Every member at the same collective: that gather is the barrier.
         self._start_agreement(self._identity("barrier", g, 0, None), g)()
+
+    def _use_ring(self, group: Group) -> bool:
+        return self.rings and _is_gloo(group)
 
     def _member(self, op: str, group: Group | None) -> Group:
         g = self.world if group is None else group

@@ -47,11 +47,9 @@ class GatherUpdatedShards(ParamGatherer):
         """Wait for every gather the step launched; all are unpinned whatever waiting raises."""
         gathering, self._gathering = self._gathering, []
         try:
-            for param in gathering:
-                self.residency.ready(param)
+            _await_all(self.residency, gathering)
         finally:
             for param in gathering:
-                param.arriving = None
                 param.unpin()
 
     def cancel(self) -> None:
@@ -135,9 +133,16 @@ class GatherForCompute(ParamGatherer):
             c for c in self.residency.chunks.values() if c.kind is ChunkKind.GATHERED and c.arriving
         ]
         try:
-            for chunk in in_flight:
-                self.residency.ready(chunk)
+            _await_all(self.residency, in_flight)
         finally:
-            for chunk in in_flight:
-                chunk.arriving = None
             self.end_cycle()
+
+
+def _await_all(residency: Residency, chunks: list[Chunk]) -> None:
+    """Wait for every chunk's gather; whatever waiting raises, none is left marked arriving."""
+    try:
+        for chunk in chunks:
+            residency.ready(chunk)
+    finally:
+        for chunk in chunks:
+            chunk.arriving = None

@@ -90,7 +90,8 @@ class Reduction:
 
 
 class ReduceScatterGrads(GradReducer):
-    """Reduce-scatter gradients into per-rank shards; ``overlap`` launches them in backward."""
+    """Reduce-scatter gradients into per-rank shards; ``overlap`` launches them in backward.
+    Gradients are reduced only in the last micro-batch of an accumulation window."""
 
     def __init__(
         self,
@@ -100,14 +101,12 @@ class ReduceScatterGrads(GradReducer):
         reduce_scatter: ReduceScatter,
         overlap: bool,
     ) -> None:
+        super().__init__()
         self.params = params
         self.residency = residency
         self.sharding = sharding
         self._reduce_scatter = reduce_scatter
         self.overlap = overlap
-        self._final_micro_batch = True
-        self._stored: dict[int, set[int]] = {}  # layout -> slots that got a gradient
-        self._expected: dict[int, set[int]] = {}  # learned from the previous cycle
         self._launched: set[int] = set()  # layouts reduced in this accumulation window
         self._in_flight: dict[int, Reduction] = {}  # launch order
 
@@ -121,29 +120,26 @@ class ReduceScatterGrads(GradReducer):
         return list(reversed(self.params.trainable_layouts()))
 
     # ------------------------------------------------------------------ backward
-    def begin_backward(self, final_micro_batch: bool) -> None:
-        """Gradients are reduced only in the last micro-batch of an accumulation window."""
-        self._final_micro_batch = final_micro_batch
-        self._stored = {}
-
     def before_write(self, layout: ChunkLayout) -> None:
-        """A late gradient: let the reduction read the chunk undisturbed, then a fresh one."""
+        """A late gradient: let the reduction read the chunk undisturbed, then a fresh one
+        (and an update begun on the reduced shard finishes reading it first)."""
         if layout.index in self._in_flight:
             self._complete(layout.index)
+        super().before_write(layout)
 
     def stored(self, slot: TensorSlot) -> None:
         """Launch reduce-scatters for the longest run, in reduction order, of layouts whose
         expected gradients are all in (the overlap with backward)."""
         if not (self.overlap and self._final_micro_batch):
             return
-        self._stored.setdefault(slot.layout.index, set()).add(id(slot))
-        if not self._expected:
+        arrived = self._arrived
+        arrived.add(slot)
+        if not arrived.learned:
             return  # the first cycle learns what to expect; it reduces after backward
         for layout in self._order():
             if layout.index in self._launched:
                 continue
-            expected = self._expected.get(layout.index, set())
-            if not expected <= self._stored.get(layout.index, set()):
+            if not arrived.complete(layout):
                 return
             self._launch(layout)
             self._retire(keep=MAX_REDUCTIONS_IN_FLIGHT)
@@ -151,7 +147,7 @@ class ReduceScatterGrads(GradReducer):
     def finish_backward(self) -> None:
         if self.overlap and self._final_micro_batch:
             self._reduce_remaining()
-            self._expected = {index: set(stored) for index, stored in self._stored.items()}
+            self._arrived.learn()
 
     def before_step(self) -> None:
         if not self.overlap:
@@ -177,7 +173,10 @@ class ReduceScatterGrads(GradReducer):
         self._launched.add(layout.index)
 
     def _complete(self, index: int) -> None:
-        self._in_flight.pop(index).complete()
+        reduction = self._in_flight.pop(index)
+        reduction.complete()
+        if self._final_micro_batch:
+            self._announce_final(reduction.layout)
 
     def _retire(self, keep: int) -> None:
         """Complete reductions in launch order while the oldest is done or more than ``keep``

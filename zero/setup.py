@@ -20,7 +20,7 @@ from zero.comm import Communicator, init_world
 def join_world(config: Config) -> Communicator:
     """The world group from torchrun's environment (or an existing default group)."""
     world = init_world(backend=config.zero.backend, timeout_s=config.zero.timeout_s)
-    return Communicator(world)
+    return Communicator(world, rings=config.zero.transport == "ring")
 
 
 def fingerprint(model: torch.nn.Module, config: Config, chunk_size: int) -> dict[str, Any]:

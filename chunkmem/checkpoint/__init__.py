@@ -31,6 +31,7 @@ from chunkmem.checkpoint import commit
 from chunkmem.checkpoint.consolidate import consolidate
 from chunkmem.checkpoint.manifest import describe, differences
 from chunkmem.checkpoint.pieces import (
+    ChunkAccess,
     load_pieces,
     model_key,
     owned_span,
@@ -75,18 +76,25 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike, client_state: 
     }
     counts = step_counts(params, engine.optimizer, functools.partial(owned_span, params))
     state_dict.update({step_key(slot.name): count for slot, count in counts.items()})
+    access = ChunkAccess(engine.residency, writing=False)
+    # One writer thread and no copy-ahead: boxes are resolved in plan order (see ChunkAccess).
+    writer = dcp.FileSystemWriter(
+        temporary, sync_files=True, overwrite=False, thread_count=1, per_thread_copy_ahead=0
+    )
     try:
         with _dcp_world(sharding.world_size):
             dcp.save(
                 state_dict,
-                storage_writer=dcp.FileSystemWriter(temporary, sync_files=True, overwrite=False),
-                planner=PieceSavePlanner(save_pieces(params, engine.states)),
+                storage_writer=writer,
+                planner=PieceSavePlanner(save_pieces(params, engine.states, access)),
                 process_group=sharding.checkpoint_group(),
                 no_dist=sharding.world_size == 1,
             )
     except BaseException:
         commit.abandon(temporary, sharding)
         raise
+    finally:
+        access.release()
     commit.finish(temporary, target, manifest, sharding)
     return target
 
@@ -119,14 +127,18 @@ def _load(engine: Engine, path: Path, saved: dict[str, Any]) -> Any:
     state_dict.update({step_key(slot.name): count for slot, count in counts.items()})
     if same_world:
         state_dict[rng_key] = None
-    with _dcp_world(sharding.world_size):
-        dcp.load(
-            state_dict,
-            storage_reader=dcp.FileSystemReader(path),
-            planner=PieceLoadPlanner(load_pieces(params, states)),
-            process_group=sharding.checkpoint_group(),
-            no_dist=sharding.world_size == 1,
-        )
+    access = ChunkAccess(engine.residency, writing=True)
+    try:
+        with _dcp_world(sharding.world_size):
+            dcp.load(
+                state_dict,
+                storage_reader=dcp.FileSystemReader(path),
+                planner=PieceLoadPlanner(load_pieces(params, states, access)),
+                process_group=sharding.checkpoint_group(),
+                no_dist=sharding.world_size == 1,
+            )
+    finally:
+        access.release()
     engine.optimizer.step_counts.update(counts)
     restore_engine_state(engine, state_dict["engine"])
     if same_world:

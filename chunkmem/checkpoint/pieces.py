@@ -29,7 +29,9 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.optimizer import ChunkAdam
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.params import ParamStore
+from chunkmem.residency import Residency
 from chunkmem.sharding import Span
+from chunkmem.tiers import StorageTier
 
 MOMENTS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 
@@ -143,17 +145,53 @@ def pieces_of_span(
     return pieces
 
 
-def _chunk_span(chunk: Chunk) -> Span:
-    return chunk.start, chunk.numel
+class ChunkAccess:
+    """Chunk contents for a checkpoint's boxes, one chunk at a time where its tier is not
+    addressable (the NVMe tier).
 
+    Reading takes a copy of such a chunk (``Residency.contents``); writing moves it to the
+    spill tier, where DCP writes into it, and back to its home when the next chunk is asked
+    for or at :meth:`release`. DCP asks for boxes in plan order (one thread, no copy-ahead),
+    and the plan lists each chunk's boxes together, so each chunk is read once per file it
+    has boxes in.
+    """
 
-def _contents(params: ParamStore, chunk: Chunk) -> Callable[[], torch.Tensor]:
-    def read() -> torch.Tensor:
-        params.residency.ready(chunk)
-        assert chunk.payload is not None, f"{chunk!r} has no payload"
-        return chunk.payload
+    def __init__(self, residency: Residency, writing: bool) -> None:
+        self.residency = residency
+        self.writing = writing
+        self._chunk: Chunk | None = None
+        self._home: StorageTier | None = None
+        self._contents: torch.Tensor | None = None
 
-    return read
+    def flat(self, chunk: Chunk) -> Callable[[], torch.Tensor]:
+        return lambda: self.contents(chunk)
+
+    def contents(self, chunk: Chunk) -> torch.Tensor:
+        residency = self.residency
+        residency.ready(chunk)
+        assert chunk.tier is not None and chunk.payload is not None, f"{chunk!r} has no payload"
+        if chunk.tier.addressable:
+            return chunk.payload
+        if chunk is not self._chunk:
+            self.release()
+            if self.writing:
+                self._home = chunk.tier
+                residency.move(chunk, residency.tiers.spill, "checkpoint")
+                residency.ready(chunk)
+                self._contents = chunk.payload
+            else:
+                self._contents = residency.contents(chunk)
+            self._chunk = chunk
+        assert self._contents is not None
+        return self._contents
+
+    def release(self) -> None:
+        """The chunk staged last goes back to its home (its write is waited for)."""
+        chunk, home = self._chunk, self._home
+        self._chunk = self._home = self._contents = None
+        if chunk is not None and home is not None:
+            self.residency.move(chunk, home, "checkpoint")
+            self.residency.ready(chunk)
 
 
 def value_chunk(layout: ChunkLayout) -> Chunk:
@@ -178,7 +216,7 @@ def slots_in(layout: ChunkLayout, span: Span) -> list[TensorSlot]:
     ]
 
 
-def save_pieces(params: ParamStore, states: OptimizerStates) -> list[Piece]:
+def save_pieces(params: ParamStore, states: OptimizerStates, access: ChunkAccess) -> list[Piece]:
     """What this rank writes: values and moments of its span of every layout."""
     pieces: list[Piece] = []
     for layout in params.layouts:
@@ -189,24 +227,31 @@ def save_pieces(params: ParamStore, states: OptimizerStates) -> list[Piece]:
             span,
             lambda s: model_key(s.name),
             source.dtype,
-            _offset(_contents(params, source), span[0] - source.start),
+            _offset(access.flat(source), span[0] - source.start),
         )
         if not layout.trainable:
             continue
+        state_start = states.state_span(layout)[0]
         for kind in MOMENTS:
-            values = states.state_values(layout, kind)
-            state_start = states.state_span(layout)[0]
+            chunk = layout.chunks.get(kind)
+            preloaded = states.preloaded(layout, kind)
+            if chunk is not None:
+                dtype, flat = chunk.dtype, access.flat(chunk)
+            elif preloaded is not None:  # loaded, not stepped since
+                dtype, flat = preloaded.dtype, _fixed(preloaded)
+            else:  # never stepped: zeros
+                dtype, flat = torch.float32, None
             pieces += pieces_of_span(
                 layout,
                 span,
                 lambda s, k=kind: moment_key(s.name, k),
-                torch.float32 if values is None else values.dtype,
-                None if values is None else _offset(lambda v=values: v, span[0] - state_start),
+                dtype,
+                None if flat is None else _offset(flat, span[0] - state_start),
             )
     return pieces
 
 
-def load_pieces(params: ParamStore, states: OptimizerStates) -> list[Piece]:
+def load_pieces(params: ParamStore, states: OptimizerStates, access: ChunkAccess) -> list[Piece]:
     """Where this rank reads into: every span of every chunk that holds values or moments
     (a ZeRO 1-2 parameter chunk is whole on every rank, so each rank reads all of it; the
     16-bit copy is the rounded master, as the step writes it). Moments not placed yet (no
@@ -218,23 +263,22 @@ def load_pieces(params: ParamStore, states: OptimizerStates) -> list[Piece]:
             if chunk is not None:
                 pieces += pieces_of_span(
                     layout,
-                    _chunk_span(chunk),
+                    (chunk.start, chunk.numel),
                     lambda s: model_key(s.name),
                     chunk.dtype,
-                    _contents(params, chunk),
+                    access.flat(chunk),
                 )
         if not layout.trainable:
             continue
         for kind in MOMENTS:
-            values = states.state_values(layout, kind)
-            if values is None:
-                values = states.preload(layout, kind)
+            chunk = layout.chunks.get(kind)
+            flat = access.flat(chunk) if chunk is not None else _fixed(states.preload(layout, kind))
             pieces += pieces_of_span(
                 layout,
                 states.state_span(layout),
                 lambda s, k=kind: moment_key(s.name, k),
                 torch.float32,
-                lambda v=values: v,
+                flat,
             )
     return pieces
 
@@ -249,6 +293,10 @@ def step_counts(
             counter = optimizer.step_counts.get(slot)
             counts[slot] = torch.tensor(0.0 if counter is None else float(counter))
     return counts
+
+
+def _fixed(values: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: values
 
 
 def _offset(flat: Callable[[], torch.Tensor], offset: int) -> Callable[[], torch.Tensor]:

@@ -263,14 +263,21 @@ GroupStats sum_group(const Inputs& in, int64_t g, int64_t group_size, int64_t n,
   return cmq::merge_stats(stats, stats_of<F32, kSym>(rest, n - done));
 }
 
-// Runs body(g, n, scratch) for every group in parallel; scratch holds group_size floats owned
-// by the calling thread.
+// Whether reduce_elements needs its `acc` scratch: only to sum int4 inputs, or int8 inputs of
+// a count that reduce_group_fixed does not cover. Dequantize (count 1) allocates nothing.
+bool reduce_needs_scratch(int bits, int count) {
+  if (count == 1) return false;
+  return bits != 8 || !(count == 2 || count == 3 || count == 4 || count == 8);
+}
+
+// Runs body(g, n, scratch) for every group in parallel; with `scratch_needed`, scratch holds
+// group_size floats owned by the calling thread, else it is null.
 template <class Body>
-int for_groups_with_scratch(int64_t numel, int64_t group_size, Body body) {
+int for_groups_with_scratch(int64_t numel, int64_t group_size, bool scratch_needed, Body body) {
   const int64_t groups = ceil_div(numel, group_size);
   const bool parallel = numel >= kParallelMinNumel;
   const int threads = parallel ? omp_get_max_threads() : 1;
-  const int64_t width = group_size < numel ? group_size : numel;
+  const int64_t width = scratch_needed ? (group_size < numel ? group_size : numel) : 0;
   std::vector<float> scratch;
   try {
     scratch.resize(static_cast<size_t>(threads) * static_cast<size_t>(width));
@@ -280,7 +287,8 @@ int for_groups_with_scratch(int64_t numel, int64_t group_size, Body body) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t n = (g + 1) * group_size <= numel ? group_size : numel - g * group_size;
-    body(g, n, scratch.data() + static_cast<size_t>(omp_get_thread_num()) * width);
+    body(g, n, scratch_needed ? scratch.data() + static_cast<size_t>(omp_get_thread_num()) * width
+                              : nullptr);
   }
   return cmq::kOk;
 }
@@ -335,9 +343,11 @@ int cmq_cpu_dequant_reduce(const uint8_t* const* q, const float* const* scales,
     return with_format(bits, symmetric, [&](auto fmt) {
       using Fmt = decltype(fmt);
       auto* dst = static_cast<typename Out::Raw*>(out);
-      return for_groups_with_scratch(numel, group_size, [&](int64_t g, int64_t n, float* acc) {
-        reduce_group<Fmt, Out>(in, g, group_size, n, acc, dst + g * group_size);
-      });
+      return for_groups_with_scratch(
+          numel, group_size, reduce_needs_scratch(bits, count),
+          [&](int64_t g, int64_t n, float* acc) {
+            reduce_group<Fmt, Out>(in, g, group_size, n, acc, dst + g * group_size);
+          });
     });
   });
 }
@@ -350,7 +360,7 @@ int cmq_cpu_dequant_reduce_requant(const uint8_t* const* q, const float* const* 
   const Inputs in{q, scales, offsets, count};
   return with_format(bits, symmetric, [&](auto fmt) {
     using Fmt = decltype(fmt);
-    return for_groups_with_scratch(numel, group_size, [&](int64_t g, int64_t n, float* acc) {
+    return for_groups_with_scratch(numel, group_size, true, [&](int64_t g, int64_t n, float* acc) {
       const GroupStats stats = sum_group<Fmt>(in, g, group_size, n, acc);
       encode_group<F32, Fmt>(acc, GroupSpan{0, n, n}, stats,
                              q_out + byte_of<Fmt::kBits>(g * group_size), scales_out + g,

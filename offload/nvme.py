@@ -1,0 +1,514 @@
+"""The NVMe tier: chunk payloads stored as files in a directory, moved by background threads.
+
+A payload is an :class:`NvmeExtent`, one preallocated file, not a tensor: the tier is not
+addressable (:mod:`chunkmem.tiers`). ``copy_in`` writes a spill-tier (host) tensor into a
+new extent and ``copy_out`` reads an extent into one, both asynchronously; the residency
+routes every other move through the host.
+
+[Note: how a transfer runs] A transfer is cut into blocks of ``block_bytes``. Each block is
+one job of a thread pool, and each job owns a page-aligned staging buffer (``mmap``) for the
+length of its copy and its I/O, so files can be opened with ``O_DIRECT`` (no page cache) and
+while one thread waits on the disk the other copies: double buffering. A write copies its
+blocks from the source into the four shared write buffers on the calling thread (waiting
+only while all four are in flight), so the source may be freed when ``copy_in`` returns and
+the host holds nothing the ledger does not count: the staging buffers are counted as a host
+workspace (:attr:`NvmeTier.staging_bytes`). Reads copy into their target on the I/O threads.
+Copies are ``ctypes.memmove`` calls: single-threaded and without the GIL, so they take no
+core from the compute.
+
+[Note: failures] Every file is preallocated (``posix_fallocate``) before it is written, so a
+full disk shows at allocation as :class:`TierFullError` with nothing lost and the partial
+file removed. Extents are kept for reuse when freed, so the space reserved by the first step
+stays reserved and later steps allocate nothing. Each block's checksum (CRC32C, three streams,
+:mod:`kernels.checksum`; ``zlib.crc32`` where that library cannot be built, said once) is
+kept in memory and checked on every read; a mismatch, a read that returns fewer bytes than were written, or a
+failed write raises :class:`TierDataError` (the chunk's content is lost). Nothing is ever
+read back as silent zeros.
+
+[Note: cleanup] The tier works in a private directory ``<path>/chunkmem-<pid>-<random>``.
+It is removed by ``close()``, at interpreter exit, or when the tier is collected, whichever
+comes first (one ``weakref.finalize`` owns it), so also after an exception ends the program.
+A process killed outside Python (SIGKILL, SIGTERM without a handler) leaves it behind; the
+next tier created on the same path removes directories whose process is gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import itertools
+import logging
+import mmap
+import os
+import queue
+import re
+import shutil
+import tempfile
+import threading
+import weakref
+import zlib
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from chunkmem.errors import TierDataError, TierFullError, TierSetupError
+from chunkmem.tiers import StorageTier
+from kernels import checksum
+from kernels._build import BuildError
+
+_log = logging.getLogger("chunkmem.offload")
+
+PAGE = 4096  # direct I/O alignment of buffers, offsets and lengths (a multiple of any device's)
+WRITE_BUFFERS = 4  # staging buffers writes share: the write-behind window, in blocks
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_RUN_DIR = re.compile(r"^chunkmem-(\d+)-")
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class NvmeExtent:
+    """A payload of the NVMe tier: one file holding ``numel`` elements of ``dtype``.
+
+    It is not a tensor: slicing it raises. ``crcs`` are the checksums of its blocks as last
+    written (None until the first write is under way).
+    """
+
+    def __init__(self, path: Path, fd: int, file_bytes: int) -> None:
+        self.path = path
+        self.fd = fd
+        self.file_bytes = file_bytes
+        self.dtype = torch.uint8
+        self._numel = 0
+        self.crcs: list[object] | None = None
+        self.last: Transfer | None = None  # the newest transfer touching the file
+
+    def reuse(self, numel: int, dtype: torch.dtype) -> NvmeExtent:
+        self._numel, self.dtype, self.crcs = numel, dtype, None
+        return self
+
+    def numel(self) -> int:
+        return self._numel
+
+    @property
+    def nbytes(self) -> int:
+        return self._numel * self.dtype.itemsize
+
+    def __getitem__(self, key: object) -> None:
+        raise TypeError(
+            f"{self!r} is a chunk payload in a file on the NVMe tier, not a tensor: move the "
+            f"chunk to the host tier (or read it with Residency.contents) first"
+        )
+
+    def __repr__(self) -> str:
+        return f"NvmeExtent({str(self.path)!r}, {self.nbytes:,} bytes)"
+
+
+class Transfer:
+    """The blocks of one read or write in flight. ``wait()`` returns when every block is done
+    and raises the first failure; ``when_done`` runs a callback then (on some thread)."""
+
+    def __init__(self, futures: list[Future]) -> None:
+        self._futures = futures
+        self._lock = threading.Lock()
+        self._remaining = len(futures)
+        self._callbacks: list[Callable[[], None]] = []
+        for future in futures:
+            future.add_done_callback(self._one_done)
+
+    def _one_done(self, _future: Future) -> None:
+        with self._lock:
+            self._remaining -= 1
+            callbacks = self._callbacks if self._remaining == 0 else []
+        for callback in callbacks:
+            callback()
+
+    def when_done(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            if self._remaining:
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def is_completed(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def wait(self) -> None:
+        error: BaseException | None = None
+        for future in self._futures:
+            try:
+                future.result()
+            except BaseException as exc:  # noqa: BLE001 - the first is raised once all are done
+                error = error or exc
+        if error is not None:
+            raise error
+
+
+class _StagingBuffer:
+    """A page-aligned host buffer (anonymous ``mmap``) a block is copied through."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.map = mmap.mmap(-1, nbytes)
+        self.view = memoryview(self.map)
+        self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+
+
+class _Resources:
+    """What the tier holds outside Python's memory management: its directory, open files and
+    I/O threads. The tier's finalizer owns it, so it is released exactly once: on close, at
+    exit, or when the tier is collected."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fds: set[int] = set()
+        self.executor: ThreadPoolExecutor | None = None
+
+    def release(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        for fd in list(self.fds):
+            os.close(fd)
+        self.fds.clear()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class NvmeTier(StorageTier):
+    """Chunk payloads as files in ``directory`` (see the module's notes)."""
+
+    addressable = False
+
+    def __init__(
+        self, directory: str | Path, block_bytes: int, io_threads: int, name: str = "nvme"
+    ) -> None:
+        if block_bytes % PAGE or block_bytes <= 0:
+            raise ValueError(
+                f"block_bytes must be a positive multiple of {PAGE}, got {block_bytes}"
+            )
+        self.name = name
+        self.capacity = None  # bounded by the disk, checked at initialize (check_room)
+        self.block_bytes = block_bytes
+        self.base = Path(directory)
+        _remove_stale_run_dirs(self.base)
+        root = _make_run_dir(self.base)
+        self._resources = _Resources(root)
+        self._finalizer = weakref.finalize(self, self._resources.release)
+        try:
+            self.direct = _supports_direct_io(root, self.base)
+        except BaseException:
+            self._finalizer()
+            raise
+        self.root = root
+        self._resources.executor = ThreadPoolExecutor(
+            io_threads, thread_name_prefix="chunkmem-nvme"
+        )
+        self._executor = self._resources.executor
+        self._read_buffers: queue.Queue[_StagingBuffer] = queue.Queue()
+        self._write_buffers: queue.Queue[_StagingBuffer] = queue.Queue()
+        for _ in range(io_threads):
+            self._read_buffers.put(_StagingBuffer(block_bytes))
+        for _ in range(WRITE_BUFFERS):
+            self._write_buffers.put(_StagingBuffer(block_bytes))
+        self.staging_bytes = (io_threads + WRITE_BUFFERS) * block_bytes
+        self._checksum = block_checksum()
+        self._free: dict[int, list[NvmeExtent]] = {}
+        self._free_lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ setup checks
+    def check_room(self, nbytes: int, what: str) -> None:
+        """Raise :class:`TierSetupError` unless the disk has ``nbytes`` free for ``what``."""
+        stats = os.statvfs(self.root)
+        available = stats.f_bavail * stats.f_frsize
+        if available < nbytes:
+            raise TierSetupError(
+                f"the NVMe directory {str(self.base)!r} has {available:,} bytes free but "
+                f"{what} need {nbytes:,} bytes there: free space on that disk, choose another "
+                f"offload.nvme.path, or lower offload.optimizer_ratio"
+            )
+
+    # ------------------------------------------------------------------ StorageTier
+    def allocate(self, numel: int, dtype: torch.dtype) -> NvmeExtent:  # type: ignore[override]
+        """A file of ``numel`` elements with its space reserved (a freed one if it fits)."""
+        file_bytes = _round_up(max(1, numel * dtype.itemsize), PAGE)
+        with self._free_lock:
+            free = self._free.get(file_bytes)
+            if free:
+                return free.pop().reuse(numel, dtype)
+        path = self.root / f"chunk-{next(self._ids)}.bin"
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, file_bytes)
+            except OSError as exc:
+                if exc.errno not in _NO_SPACE or not self._delete_idle_extents():
+                    raise
+                os.posix_fallocate(fd, 0, file_bytes)  # with the idle files' space back
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            if exc.errno in _NO_SPACE:
+                raise TierFullError(
+                    f"no room for {file_bytes:,} more bytes in {str(self.base)!r} "
+                    f"({os.strerror(exc.errno)}); the chunk stays where it was"
+                ) from exc
+            raise TierDataError(f"cannot reserve {file_bytes:,} bytes for {path}: {exc}") from exc
+        self._resources.fds.add(fd)
+        return NvmeExtent(path, fd, file_bytes).reuse(numel, dtype)
+
+    def _delete_idle_extents(self) -> bool:
+        """Delete the files kept for reuse (when the disk is full); whether there were any."""
+        with self._free_lock:
+            idle = [extent for extents in self._free.values() for extent in extents]
+            self._free.clear()
+        for extent in idle:
+            self._resources.fds.discard(extent.fd)
+            os.close(extent.fd)
+            extent.path.unlink(missing_ok=True)
+        return bool(idle)
+
+    def free(self, payload: NvmeExtent) -> None:  # type: ignore[override]
+        """Keep the file for reuse (its space stays reserved) once its transfers are done."""
+
+        def recycle() -> None:
+            with self._free_lock:
+                self._free.setdefault(payload.file_bytes, []).append(payload)
+
+        if payload.last is None:
+            recycle()
+        else:
+            payload.last.when_done(recycle)
+
+    def copy_in(self, source: torch.Tensor) -> tuple[NvmeExtent, Transfer]:  # type: ignore[override]
+        """Write ``source`` (a contiguous CPU tensor) into a new extent. Blocks are copied into
+        staging buffers here, so ``source`` may be freed on return; the disk writes finish in
+        the background (wait on the returned transfer)."""
+        if source.device.type != "cpu" or not source.is_contiguous():
+            raise ValueError(f"the NVMe tier writes contiguous CPU tensors, got {source.device}")
+        extent = self.allocate(source.numel(), source.dtype)
+        nbytes = extent.nbytes
+        crcs: list[object] = [None] * max(1, -(-nbytes // self.block_bytes))
+        futures = []
+        address = source.data_ptr()
+        for index, offset in enumerate(range(0, nbytes, self.block_bytes)):
+            length = min(self.block_bytes, nbytes - offset)
+            buffer = self._write_buffers.get()
+            ctypes.memmove(buffer.address, address + offset, length)
+            futures.append(
+                self._executor.submit(
+                    self._write_block, extent, buffer, index, offset, length, crcs
+                )
+            )
+        transfer = Transfer(futures)
+        extent.crcs = crcs
+        extent.last = transfer
+        return extent, transfer
+
+    def copy_out(self, payload: NvmeExtent, into: torch.Tensor) -> Transfer:  # type: ignore[override]
+        """Read ``payload`` into ``into`` (a contiguous CPU tensor of its size) in the
+        background; the transfer raises :class:`TierDataError` on a short read or a checksum
+        mismatch."""
+        if payload.last is not None:
+            payload.last.wait()  # a write still in flight: read what it wrote
+        if payload.crcs is None:
+            raise TierDataError(f"{payload!r} was never written; it has no content to read")
+        nbytes = payload.nbytes
+        if into.numel() * into.element_size() != nbytes or not into.is_contiguous():
+            raise ValueError(f"cannot read {payload!r} into a tensor of {into.nbytes:,} bytes")
+        futures = [
+            self._executor.submit(
+                self._read_block,
+                payload,
+                into,
+                index,
+                offset,
+                min(self.block_bytes, nbytes - offset),
+            )
+            for index, offset in enumerate(range(0, nbytes, self.block_bytes))
+        ]
+        transfer = Transfer(futures)
+        payload.last = transfer
+        return transfer
+
+    def wait(self, event: object | None) -> None:
+        if event is not None:
+            event.wait()  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        """Wait for the I/O threads, close every file and remove the directory."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    # ------------------------------------------------------------------ I/O threads
+    def _write_block(
+        self,
+        extent: NvmeExtent,
+        buffer: _StagingBuffer,
+        index: int,
+        offset: int,
+        length: int,
+        crcs: list[object],
+    ) -> None:
+        try:
+            crcs[index] = self._checksum(buffer, length)
+            aligned = _round_up(length, PAGE)
+            if aligned > length:  # the file's last page: zeros past the data, for O_DIRECT
+                ctypes.memset(buffer.address + length, 0, aligned - length)
+            try:
+                _write_all(extent.fd, buffer.view[:aligned], offset)
+            except OSError as exc:
+                raise TierDataError(
+                    f"writing {aligned:,} bytes at offset {offset:,} of {extent.path} failed "
+                    f"({exc.strerror}); the chunk's content is lost"
+                ) from exc
+        finally:
+            self._write_buffers.put(buffer)
+
+    def _read_block(
+        self, extent: NvmeExtent, into: torch.Tensor, index: int, offset: int, length: int
+    ) -> None:
+        buffer = self._read_buffers.get()
+        try:
+            aligned = _round_up(length, PAGE)
+            try:
+                got = _read_all(extent.fd, buffer.view[:aligned], offset)
+            except OSError as exc:
+                raise TierDataError(
+                    f"reading {aligned:,} bytes at offset {offset:,} of {extent.path} failed "
+                    f"({exc.strerror}); the chunk's content is lost"
+                ) from exc
+            if got < length:
+                raise TierDataError(
+                    f"short read: {extent.path} gave {got:,} of {length:,} bytes at offset "
+                    f"{offset:,} (was the file truncated?); the chunk's content is lost"
+                )
+            assert extent.crcs is not None
+            if self._checksum(buffer, length) != extent.crcs[index]:
+                raise TierDataError(
+                    f"checksum mismatch reading {extent.path} (bytes {offset:,}-"
+                    f"{offset + length:,}): the file changed on disk or the disk returned bad "
+                    f"data; the chunk's content is lost"
+                )
+            ctypes.memmove(into.data_ptr() + offset, buffer.address, length)
+        finally:
+            self._read_buffers.put(buffer)
+
+
+@functools.cache
+def block_checksum() -> Callable[[_StagingBuffer, int], object]:
+    """The checksum of a staging buffer's first ``length`` bytes: three CRC32Cs from the
+    native library, else ``zlib.crc32`` (slower; one logged line says why)."""
+    try:
+        library = checksum.load_library()
+    except BuildError as error:
+        _log.warning(
+            "the native checksum library cannot be used (%s); the NVMe tier checks its blocks "
+            "with zlib.crc32, which is slower",
+            error,
+        )
+        return lambda buffer, length: zlib.crc32(buffer.view[:length])
+    return lambda buffer, length: library.crc32c_3(buffer.address, length)
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        written = os.pwritev(fd, [data[done:]], offset + done)
+        if written <= 0:
+            raise OSError(errno.EIO, "the write made no progress")
+        done += written
+
+
+def _read_all(fd: int, into: memoryview, offset: int) -> int:
+    """Bytes read into ``into`` from ``offset``; fewer than asked only at the end of file."""
+    done = 0
+    while done < len(into):
+        got = os.preadv(fd, [into[done:]], offset + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+def _make_run_dir(base: Path) -> Path:
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TierSetupError(
+            f"cannot create the NVMe directory {str(base)!r}: {exc.strerror}; set "
+            f"offload.nvme.path to a writable directory"
+        ) from exc
+    try:
+        return Path(tempfile.mkdtemp(prefix=f"chunkmem-{os.getpid()}-", dir=base))
+    except OSError as exc:
+        reason = "the disk is full" if exc.errno in _NO_SPACE else "it is not writable"
+        raise TierSetupError(
+            f"the NVMe directory {str(base)!r} cannot hold chunk files: {reason} "
+            f"({exc.strerror}); set offload.nvme.path to a writable directory with room"
+        ) from exc
+
+
+def _supports_direct_io(root: Path, base: Path) -> bool:
+    """Write a page to a probe file with O_DIRECT; False (and one logged line) where the
+    filesystem refuses it (tmpfs). A full disk or an unwritable directory raises."""
+    probe = root / "probe"
+    buffer = _StagingBuffer(PAGE)
+    for direct in (True, False):
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                continue
+            raise TierSetupError(
+                f"the NVMe directory {str(base)!r} is not writable ({exc.strerror}); set "
+                f"offload.nvme.path to a writable directory"
+            ) from exc
+        try:
+            os.posix_fallocate(fd, 0, PAGE)
+            _write_all(fd, buffer.view, 0)
+        except OSError as exc:
+            if direct and exc.errno == errno.EINVAL:
+                continue
+            if exc.errno in _NO_SPACE:
+                raise TierSetupError(
+                    f"the disk holding the NVMe directory {str(base)!r} is full: not even "
+                    f"{PAGE:,} bytes could be written ({exc.strerror})"
+                ) from exc
+            raise TierSetupError(f"cannot write to {str(base)!r}: {exc.strerror}") from exc
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+        if not direct:
+            _log.warning(
+                "%s does not support O_DIRECT (tmpfs?); the NVMe tier uses buffered I/O there, "
+                "through the page cache",
+                base,
+            )
+        return direct
+    raise AssertionError("unreachable")
+
+
+def _remove_stale_run_dirs(base: Path) -> None:
+    """Remove run directories left in ``base`` by processes that no longer exist."""
+    try:
+        entries = list(base.iterdir())
+    except OSError:
+        return  # missing or unreadable: _make_run_dir says why
+    for entry in entries:
+        match = _RUN_DIR.match(entry.name)
+        if match is None or not entry.is_dir():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            _log.warning("removing %s, left by process %s which is gone", entry, match.group(1))
+            shutil.rmtree(entry, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live process

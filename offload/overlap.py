@@ -1,0 +1,124 @@
+"""The optimizer step overlapped with backward: a chunk group's host update starts as soon as
+its gradients are final, on a host thread, while backward goes on with earlier layers.
+
+The gradient reducer (:class:`chunkmem.sharding.GradReducer`) says when a layout's gradients
+are final: when every gradient the previous cycle gave it has arrived (one process), or when
+its reduce-scatter completed (ZeRO-2/3; ZeRO-1 reduces before the step, so its updates start
+then). :class:`OverlappedStep` then asks the optimizer to prepare that layout's update on the
+engine's thread and runs the kernels on its own thread; ``engine.step()`` finishes those and
+updates the rest (layouts homed on the device, gradients that came late) in order. The
+results are those of the serial step bit for bit: each layout's update reads and writes only
+its own chunks, and the kernels' results do not depend on when or on which thread they run.
+
+[Note: what keeps the step serial] Global-norm clipping, fp16's overflow check and
+``nonfinite: skip`` need every gradient before any update: with any of them,
+``offload.overlap`` falls back to the serial step (said once in the log). With the default
+``nonfinite: raise``, a non-finite gradient found after updates began in backward stops the
+engine (the updated chunk groups cannot be taken back). Deferring exactly would need the update to be undone or redone once
+the norm is known; Adam's moments are not linear in the gradient, so nothing short of keeping
+a copy of every state would do. For the same reason, with overlap the update happens in
+backward: ``engine.discard()`` after such a backward refuses and asks for ``engine.step()``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from chunkmem.chunk import ChunkLayout
+from chunkmem.config import Config
+from chunkmem.optimizer import ChunkAdam
+from chunkmem.sharding import GradReducer
+
+_log = logging.getLogger("chunkmem.offload")
+
+
+def serial_reasons(config: Config) -> list[str]:
+    """Why this config's step cannot overlap backward (empty: it can)."""
+    reasons = []
+    if config.gradient_clipping > 0:
+        reasons.append("gradient clipping needs the norm of every gradient before any update")
+    if config.precision == "fp16":
+        reasons.append("fp16's overflow check needs every gradient before any update")
+    if config.nonfinite == "skip":
+        reasons.append("nonfinite: skip needs every gradient checked before any update")
+    return reasons
+
+
+class OverlappedStep:
+    """Starts each layout's host update when its gradients are final (a GradientsListener).
+
+    Layouts are prefetched from a home that is not addressable (NVMe) in the order their
+    gradients became final in the previous cycle: the next one's states are read while this
+    one updates.
+    """
+
+    def __init__(self, optimizer: ChunkAdam, reducer: GradReducer) -> None:
+        self.optimizer = optimizer
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-host-step")
+        self._order: list[int] = []  # layout indices, as they became final last cycle
+        self._now: list[int] = []
+        self._waiting: list[ChunkLayout] = []  # final, but a unit still holds a chunk
+        self.started = 0  # updates started early, over the run
+        reducer.listener = self
+
+    def begin(self) -> None:
+        if self._now:
+            self._order = self._now
+        self._now = []
+        self._waiting = []
+
+    def final(self, layout: ChunkLayout) -> None:
+        self._now.append(layout.index)
+        self._waiting.append(layout)
+        self._start_waiting()
+
+    def writing(self, layout: ChunkLayout) -> None:
+        self.optimizer.wait_early(layout)
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """Start what can start: an fp32 update moves the parameter chunk to the host, which
+        waits until the unit computing on it releases it (the next gradient's event)."""
+        optimizer = self.optimizer
+        optimizer.retire_early()
+        if not self._waiting or optimizer.states.homes is None:
+            return
+        waiting, self._waiting = self._waiting, []
+        for layout in waiting:
+            if not optimizer.states.can_update_now(layout):
+                self._waiting.append(layout)
+            elif optimizer.start_early(layout, self._executor.submit):
+                self.started += 1
+                upcoming = self._next_after(layout.index)
+                if upcoming is not None:
+                    optimizer.states.prefetch(upcoming)
+
+    def run_on_host_thread(self, fn: Callable[[], object]) -> Future:
+        """Run ``fn`` on the thread the updates run on (e.g. to pin it to a core)."""
+        return self._executor.submit(fn)
+
+    def _next_after(self, index: int) -> ChunkLayout | None:
+        """The layout whose gradients were final after ``index``'s last cycle, if it is not
+        final yet in this one."""
+        order = self._order
+        if index not in order:
+            return None
+        position = order.index(index) + 1
+        if position >= len(order) or order[position] in self._now:
+            return None
+        layouts = {layout.index: layout for layout in self.optimizer.params.trainable_layouts()}
+        return layouts.get(order[position])
+
+
+def attach(config: Config, optimizer: ChunkAdam, reducer: GradReducer) -> OverlappedStep | None:
+    """The overlapped step for an engine whose config asks for it, unless something in the
+    config needs the serial step (then one logged line says what)."""
+    if not config.offload.overlap:
+        return None
+    reasons = serial_reasons(config)
+    if reasons:
+        _log.warning("offload.overlap: the step stays serial: %s", "; ".join(reasons))
+        return None
+    return OverlappedStep(optimizer, reducer)
