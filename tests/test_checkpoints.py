@@ -195,6 +195,42 @@ def test_resume_equals_the_uninterrupted_run_bit_for_bit(precision, tmp_path) ->
     assert 0 < steps["aux.weight"] < steps["gpt.wte.weight"]  # aux on even steps only
 
 
+def _with_torch_scheduler() -> chunkmem.Engine:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 4))
+    return chunkmem.initialize(model, optimizer, engine_config(), lr_scheduler=warmup)
+
+
+def _with_config_scheduler() -> chunkmem.Engine:
+    torch.manual_seed(0)
+    schedule = {"type": "WarmupDecayLR", "warmup_num_steps": 3, "total_num_steps": 8}
+    return chunkmem.initialize(GPT(CONFIG), config=engine_config(scheduler=schedule))
+
+
+@pytest.mark.parametrize("make", [_with_torch_scheduler, _with_config_scheduler])
+def test_resume_continues_the_learning_rate_schedule(make, tmp_path) -> None:
+    rows = batches(SAVED_AT + CONTINUED)
+
+    def train(engine, steps):
+        for row in rows[steps]:
+            engine.backward(engine(row[:, :-1], row[:, 1:]))
+            engine.step()
+
+    straight = make()
+    train(straight, slice(0, SAVED_AT))
+    straight.save_checkpoint(tmp_path / "ck")
+    rates = straight.get_lr()
+    train(straight, slice(SAVED_AT, None))
+    resumed = make()
+    resumed.load_checkpoint(tmp_path / "ck")
+    assert resumed.get_lr() == rates
+    train(resumed, slice(SAVED_AT, None))
+    assert resumed.get_lr() == straight.get_lr()
+    assert same(resumed.state_dict(), straight.state_dict())
+
+
 def test_save_and_load_between_steps_only(tmp_path) -> None:
     engine = make_probe("fp32")
     row = batches(1)[0]

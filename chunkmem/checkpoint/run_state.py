@@ -1,8 +1,9 @@
 """The run's state outside the chunks: optimizer hyper-parameters, loss scaler, LR scheduler,
 global step, and each rank's random number generators.
 
-The LR scheduler is found as ``engine.lr_scheduler`` (anything with ``state_dict`` and
-``load_state_dict``); None or absent: nothing to save. RNG states are per rank: the CPU
+The LR scheduler is ``engine.lr_scheduler`` (a torch scheduler or one of
+``chunkmem.schedulers``: anything with ``state_dict`` and ``load_state_dict``); None: nothing
+to save. RNG states are per rank: the CPU
 generator, CUDA's where CUDA is initialized, Python's ``random`` and NumPy's global one.
 """
 
@@ -23,7 +24,7 @@ _HYPER_PARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 def engine_state(engine: Engine) -> dict[str, Any]:
-    scheduler = getattr(engine, "lr_scheduler", None)
+    scheduler = engine.lr_scheduler
     return {
         "global_steps": engine.global_steps,
         "param_groups": [
@@ -42,7 +43,7 @@ def restore_engine_state(engine: Engine, state: dict[str, Any]) -> None:
     for group, saved in zip(engine.optimizer.param_groups, state["param_groups"], strict=True):
         group.update(saved)
     engine.scaler.load_state_dict(state["loss_scaler"])
-    scheduler = getattr(engine, "lr_scheduler", None)
+    scheduler = engine.lr_scheduler
     saved_scheduler = state["lr_scheduler"]
     if scheduler is not None and saved_scheduler is not None:
         scheduler.load_state_dict(saved_scheduler)
