@@ -24,6 +24,7 @@ from chunkmem.chunk import ChunkKind
 from chunkmem.errors import CheckpointError, EngineUsageError
 from chunkmem.models.gpt import GPT, GPTConfig
 from tests.distributed_helpers import run_ranks
+from tests.reference import max_relative_diff
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
@@ -517,8 +518,6 @@ def continue_on_two_rank(comm, saved: str, directory: str) -> dict:
 
 @pytest.mark.distributed
 def test_saved_on_four_ranks_at_zero3_resumes_on_two(four_rank_run, tmp_path) -> None:
-    from tests.reference import max_relative_diff
-
     saved, four_rank_values = four_rank_run
     results = run_ranks(
         continue_on_two_rank, 2, str(saved), str(tmp_path), timeout_s=30, deadline_s=240
