@@ -212,9 +212,19 @@ def test_ledger_records_ring_volume_per_rank_and_separates_steps_by_tag() -> Non
         assert len(totals) == 8
 
 
-def _die_before_an_all_gather(comm: Communicator) -> tuple[CollectiveError | None, float]:
+def _die_during_an_all_gather(
+    comm: Communicator, ready_dir: str
+) -> tuple[CollectiveError | None, float]:
+    # Rank 1 dies once every survivor is past setup: dying while a peer still connects the
+    # Communicator's diagnosis group would fail that peer's setup, not its all_gather.
+    survivors = comm.size - 1
     if comm.rank == 1:
+        end = time.monotonic() + 30.0
+        while len(list(Path(ready_dir).iterdir())) < survivors and time.monotonic() < end:
+            time.sleep(0.02)
+        time.sleep(0.2)  # the survivors are inside the all_gather by now
         os._exit(1)
+    (Path(ready_dir) / str(comm.rank)).touch()
     start = time.monotonic()
     try:
         comm.all_gather(torch.ones(4), torch.empty(4 * comm.size), async_op=True).wait()
@@ -225,9 +235,11 @@ def _die_before_an_all_gather(comm: Communicator) -> tuple[CollectiveError | Non
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
-def test_a_dead_rank_makes_every_survivor_raise_within_the_timeout() -> None:
+def test_a_dead_rank_makes_every_survivor_raise_within_the_timeout(tmp_path: Path) -> None:
     timeout_s = 3.0
-    results = run_ranks(_die_before_an_all_gather, 4, timeout_s=timeout_s, dying_ranks=[1])
+    results = run_ranks(
+        _die_during_an_all_gather, 4, str(tmp_path), timeout_s=timeout_s, dying_ranks=[1]
+    )
     assert results[1] is None
     for rank in (0, 2, 3):
         error, elapsed_s = results[rank]
