@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING, Any
 
 _PUBLIC = {
     "initialize": "chunkmem.api",
+    "consolidate": "chunkmem.checkpoint",
     "Config": "chunkmem.config",
     "Engine": "chunkmem.engine",
     "CapacityError": "chunkmem.errors",
+    "CheckpointError": "chunkmem.errors",
     "ChunkmemError": "chunkmem.errors",
     "ConfigError": "chunkmem.errors",
     "EngineUsageError": "chunkmem.errors",
@@ -24,6 +26,7 @@ _PUBLIC = {
 
 __all__ = [
     "CapacityError",
+    "CheckpointError",
     "ChunkmemError",
     "Config",
     "ConfigError",
@@ -31,15 +34,18 @@ __all__ = [
     "EngineUsageError",
     "IllegalTransitionError",
     "OutOfMemoryError",
+    "consolidate",
     "initialize",
 ]
 
 if TYPE_CHECKING:
     from chunkmem.api import initialize
+    from chunkmem.checkpoint import consolidate
     from chunkmem.config import Config
     from chunkmem.engine import Engine
     from chunkmem.errors import (
         CapacityError,
+        CheckpointError,
         ChunkmemError,
         ConfigError,
         EngineUsageError,

@@ -1,5 +1,7 @@
 """``make demo``: train a small GPT on Python's own standard library sources under a device
-budget smaller than the model, print progress, sample some text and write the report.
+budget smaller than the model, print progress, sample some text and write the report; then
+save a checkpoint, resume from it in a new engine and check that the resumed run continues
+exactly as the one that kept going.
 
 Run ``python -m chunkmem.demo --help`` for the knobs; the defaults finish in about a minute
 on two CPU cores, using the simulated device when there is no GPU.
@@ -9,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,7 +74,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--out", type=Path, default=Path("runs/demo"))
+    parser.add_argument(
+        "--resume-steps",
+        type=int,
+        default=5,
+        help="steps trained after the checkpoint, by the original engine and a resumed one",
+    )
     return parser.parse_args(argv)
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def resume_from_checkpoint(
+    engine: chunkmem.Engine,
+    build: Callable[[], chunkmem.Engine],
+    train: torch.Tensor,
+    generator: torch.Generator,
+    args: argparse.Namespace,
+) -> None:
+    """Save, keep training ``engine`` for a few steps, then load the checkpoint into a new
+    engine (a restarted job) and train the same steps: the losses must be the same."""
+    checkpoint = args.out / "checkpoint"
+    shutil.rmtree(
+        checkpoint, ignore_errors=True
+    )  # the previous demo's; checkpoints never overwrite
+    started = time.perf_counter()
+    engine.save_checkpoint(checkpoint, client_state={"data": generator.get_state()})
+    saved_s = time.perf_counter() - started
+    stream = batches(train, args.batch, args.seq, generator)
+    kept_going = [train_step(engine, *next(stream)) for _ in range(args.resume_steps)]
+    engine.close()
+
+    resumed = build()
+    started = time.perf_counter()
+    client_state = resumed.load_checkpoint(checkpoint)
+    loaded_s = time.perf_counter() - started
+    stream = batches(train, args.batch, args.seq, torch.Generator().set_state(client_state["data"]))
+    losses = [train_step(resumed, *next(stream)) for _ in range(args.resume_steps)]
+    print(
+        f"checkpoint: {checkpoint}, {directory_bytes(checkpoint) / 2**20:.1f} MiB on disk "
+        f"(fp32 values and Adam moments per parameter), saved in {saved_s:.2f} s, loaded "
+        f"into a new engine in {loaded_s:.2f} s"
+    )
+    same = "the same bit for bit" if losses == kept_going else "DIFFERENT"
+    print(
+        f"resumed at step {resumed.global_steps - args.resume_steps} and trained "
+        f"{args.resume_steps} more steps: losses {' '.join(f'{v:.4f}' for v in losses)}, "
+        f"{same} as the engine that kept going"
+    )
+    assert losses == kept_going, "the resumed run differs from the uninterrupted one"
+
+
+def train_step(engine: chunkmem.Engine, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    return float(loss.detach())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,19 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         n_embd=args.width,
         checkpoint=True,
     )
-    model = GPT(config)
     params = config.num_parameters()
     state_bytes = params * STATE_BYTES_PER_PARAM[args.precision]
     capacity = int(state_bytes * args.device_fraction)
-    engine = chunkmem.initialize(
-        model,
-        config={
-            "precision": args.precision,
-            "device": {"type": "auto", "capacity": capacity},
-            "optimizer": {"lr": args.lr, "weight_decay": 0.1},
-            "gradient_clipping": 1.0,
-        },
-    )
+
+    def build() -> chunkmem.Engine:
+        return chunkmem.initialize(
+            GPT(config),
+            config={
+                "precision": args.precision,
+                "device": {"type": "auto", "capacity": capacity},
+                "optimizer": {"lr": args.lr, "weight_decay": 0.1},
+                "gradient_clipping": 1.0,
+            },
+        )
+
+    engine = build()
     print(
         f"chunkmem demo: GPT {args.layers}x{args.width}, {params:,} parameters, "
         f"{state_bytes / 2**20:.1f} MiB of model states ({args.precision}) on a "
@@ -112,15 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     stream = batches(train, args.batch, args.seq, generator)
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
-        x, y = next(stream)
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
+        loss = train_step(engine, *next(stream))
         if step == 1 or step % 50 == 0 or step == args.steps:
             elapsed = time.perf_counter() - started
             moved = engine.ledger.bytes_moved(step - 1)
             print(
-                f"step {step:4d}  loss {float(loss.detach()):.3f}  "
+                f"step {step:4d}  loss {loss:.3f}  "
                 f"{step * args.batch * args.seq / elapsed:7.0f} tok/s  "
                 f"moved {moved / 2**20:6.2f} MiB/iter  "
                 f"device peak {engine.ledger.device.peak / capacity:5.1%} of capacity",
@@ -139,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, path in paths.items():
         print(f"report ({kind}): {path}")
     assert engine.ledger.device.peak <= capacity, "device capacity exceeded"
+    resume_from_checkpoint(engine, build, train, generator, args)
     return 0
 
 

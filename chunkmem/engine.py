@@ -15,7 +15,7 @@ import logging
 import math
 import weakref
 from collections import Counter
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -387,6 +387,59 @@ class Engine:
             else:
                 state[key] = value.detach().to("cpu", copy=True)
         return state
+
+    def save_checkpoint(self, directory: str | Path, client_state: Any = None) -> Path:
+        """Write everything training needs to continue into the new directory ``directory``:
+        parameter values (fp32 masters), Adam moments and step counts per parameter, the
+        loss scaler, ``self.lr_scheduler`` if set, the global step, each rank's RNG states,
+        ``client_state`` (e.g. the data position), the config and the world size. Every
+        rank calls it between optimizer steps and writes only its own shard. Atomic: the
+        directory appears complete or not at all. Returns its path (docs/checkpoints.md)."""
+        self._check_between_steps("save_checkpoint")
+        from chunkmem.checkpoint import save_checkpoint  # DCP is imported when first used
+
+        with self._stop_on_collective_failure():
+            return save_checkpoint(self, directory, client_state)
+
+    def load_checkpoint(self, directory: str | Path) -> Any:
+        """Continue from a checkpoint written by :meth:`save_checkpoint`, at any world size,
+        ZeRO stage or chunk size; returns its ``client_state``. Every rank calls it between
+        optimizer steps, usually right after ``initialize``. A checkpoint that is incomplete
+        or does not fit this model and config raises :class:`CheckpointError`, naming each
+        difference, and changes nothing; a failure while reading stops the engine."""
+        self._check_between_steps("load_checkpoint")
+        from chunkmem.checkpoint import prepare_load
+
+        with self._stop_on_collective_failure():
+            load = prepare_load(self, directory)
+            try:
+                return load()
+            except BaseException as error:
+                if self.stopped_because is None:
+                    self._stop(
+                        f"load_checkpoint({str(directory)!r}) failed part-way "
+                        f"({type(error).__name__}: {error}); parameters and optimizer states "
+                        f"may be partly loaded"
+                    )
+                raise
+
+    def _check_between_steps(self, what: str) -> None:
+        self._check_not_stopped()
+        if self.phase is not EnginePhase.IDLE or self.micro_steps:
+            raise EngineUsageError(
+                f"engine.{what}() runs between optimizer steps, but the engine is "
+                f"{self.phase.value} with {self.micro_steps} of "
+                f"{self.config.gradient_accumulation_steps} micro-steps accumulated: finish "
+                f"with engine.step() (or drop them with engine.discard()) first"
+            )
+
+    @contextlib.contextmanager
+    def _stop_on_collective_failure(self) -> Iterator[None]:
+        try:
+            yield
+        except CollectiveError as error:
+            self._stop(f"a collective failed ({error})")
+            raise
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of chunks by kind, over both tiers (padding included)."""

@@ -36,6 +36,11 @@ class EngineUsageError(ChunkmemError, RuntimeError):
     """The engine's methods were called in an order or way it does not support."""
 
 
+class CheckpointError(ChunkmemError):
+    """A checkpoint cannot be written where asked, is incomplete, or does not fit the engine;
+    names the path, key or value concerned."""
+
+
 class CollectiveError(ChunkmemError, RuntimeError):
     """A collective failed or timed out; names the operation, the group and the cause.
 

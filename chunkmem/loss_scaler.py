@@ -22,6 +22,20 @@ class DynamicLossScaler:
         self._skips_at_min = 0
         self.skipped_steps = 0
 
+    def state_dict(self) -> dict[str, float | int]:
+        return {
+            "scale": self.scale,
+            "good_steps": self._good_steps,
+            "skips_at_min": self._skips_at_min,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale = float(state["scale"])
+        self._good_steps = int(state["good_steps"])
+        self._skips_at_min = int(state["skips_at_min"])
+        self.skipped_steps = int(state["skipped_steps"])
+
     def update(self, found_inf: bool) -> None:
         if found_inf:
             at_min = self.scale <= self._config.min_scale
@@ -52,6 +66,12 @@ class StaticLossScale:
 
     def __init__(self) -> None:
         self.skipped_steps = 0
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.skipped_steps = int(state["skipped_steps"])
 
     def update(self, found_inf: bool) -> None:
         self.skipped_steps += found_inf

@@ -59,6 +59,8 @@ class OptimizerStates:
         self.ratio = ratio
         self.offloaded_state_dtype = offloaded_state_dtype
         self.homes: dict[int, StorageTier] | None = None  # layout index -> tier
+        # Moments loaded from a checkpoint before the first step: place() starts from them.
+        self._preloaded: dict[tuple[int, ChunkKind], torch.Tensor] = {}
 
     def state_span(self, layout: ChunkLayout) -> Span:
         """(start, numel) of the layout's elements whose optimizer states this rank holds."""
@@ -109,6 +111,7 @@ class OptimizerStates:
         except BaseException:
             self._undo_placement(layouts)
             raise
+        self._preloaded.clear()
 
     def _allocate_states(self, layout: ChunkLayout, home: StorageTier) -> None:
         residency = self.residency
@@ -127,7 +130,12 @@ class OptimizerStates:
                 residency.make_room(nbytes, set(), "optimizer home", "capacity")
             else:  # parameters the recording cycle evicted may go back to a roomy device
                 residency.make_tier_room(first, nbytes, set(), "capacity")
-            residency.new_chunk(layout, kind, dtype, home, span)
+            chunk = residency.new_chunk(layout, kind, dtype, first, span)
+            preloaded = self._preloaded.get((layout.index, kind))
+            if preloaded is not None:
+                chunk.payload.copy_(preloaded)  # type: ignore[union-attr]
+                residency.transfer(chunk, residency.tiers.spill, first, chunk.nbytes, "load")
+            residency.move(chunk, home, "allocate")  # a no-op unless home is not addressable
 
     def _undo_placement(self, layouts: list[ChunkLayout]) -> None:
         """After a failed placement: no moments, masters back on the spill tier."""
@@ -141,6 +149,19 @@ class OptimizerStates:
             if master is not None and master.tier is not residency.tiers.spill:
                 residency.move(master, residency.tiers.spill, "optimizer home undone")
         self.homes = None
+
+    def preloaded(self, layout: ChunkLayout, kind: ChunkKind) -> torch.Tensor | None:
+        """``layout``'s ``kind`` moment loaded from a checkpoint before it has a chunk."""
+        return self._preloaded.get((layout.index, kind))
+
+    def preload(self, layout: ChunkLayout, kind: ChunkKind) -> torch.Tensor:
+        """Host memory, zeroed, for ``layout``'s ``kind`` moment before it has a chunk (fp32,
+        over the state span); the chunk starts from it when the first step places the
+        states, wherever and in whichever dtype they go."""
+        assert self.homes is None, "states are placed: write into their chunks"
+        values = torch.zeros(self.state_span(layout)[1], dtype=torch.float32)
+        self._preloaded[(layout.index, kind)] = values
+        return values
 
     def home(self, layout: ChunkLayout) -> StorageTier:
         assert self.homes is not None, "optimizer states are placed at the first step"

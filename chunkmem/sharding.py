@@ -85,6 +85,15 @@ class Sharding:
         in the same one whenever they meet in a collective."""
         return None
 
+    def gather_objects(self, obj: object) -> list[object]:
+        """Every rank's small picklable ``obj``, in rank order (blocking; a barrier too)."""
+        return [obj]
+
+    def checkpoint_group(self) -> object | None:
+        """The process group ``torch.distributed.checkpoint`` coordinates on (None: a world of
+        one, which checkpoints without collectives). Every rank calls it at the same point."""
+        return None
+
 
 class ParamGatherer:
     """How a layout's parameters are whole on the device when a module computes on them.

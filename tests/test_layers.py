@@ -17,7 +17,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = ("chunkmem", "zero", "offload", "kernels")
-USER_SURFACE = ("chunkmem.api", "chunkmem.engine", "chunkmem.demo", "chunkmem.config_reference")
+USER_SURFACE = (
+    "chunkmem.api",
+    "chunkmem.engine",
+    "chunkmem.demo",
+    "chunkmem.config_reference",
+    "chunkmem.checkpoint",
+)
 
 
 def layer(module: str) -> str:
