@@ -333,7 +333,7 @@ class Config(_Section):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(_describe(exc)) from None
+            raise ConfigError(describe_validation_error(exc)) from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
@@ -394,9 +394,9 @@ def _move_optimizer_states_key(data: Any) -> Any:
     return data
 
 
-def _section_at(location: tuple[Any, ...]) -> type[BaseModel] | None:
+def _section_at(location: tuple[Any, ...], root: type[BaseModel]) -> type[BaseModel] | None:
     """The model class that owns the key at ``location`` (None if not a model)."""
-    model: type[BaseModel] = Config
+    model = root
     for part in location[:-1]:
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
@@ -406,13 +406,15 @@ def _section_at(location: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def _describe(exc: ValidationError) -> str:
+def describe_validation_error(exc: ValidationError, root: type[BaseModel] = Config) -> str:
+    """One line per error of validating ``root``, naming the key, the value and the reason
+    (for an unknown key, the closest valid one)."""
     lines = []
     for error in exc.errors():
         location = tuple(error["loc"])
         key = ".".join(str(part) for part in location) or "<root>"
         if error["type"] == "extra_forbidden":
-            section = _section_at(location)
+            section = _section_at(location, root)
             valid = sorted(section.model_fields) if section else []
             close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""
