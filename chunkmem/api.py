@@ -28,6 +28,7 @@ from chunkmem.params import ParamStore
 from chunkmem.placement import Placement
 from chunkmem.residency import Residency
 from chunkmem.saved_tensors import ActivationCounter
+from chunkmem.schedulers import build_scheduler
 from chunkmem.sharding import Strategy
 from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
@@ -46,12 +47,17 @@ def initialize(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     config: Config | dict[str, Any] | str | Path | None = None,
+    lr_scheduler: Any = None,
 ) -> Engine:
     """Return an :class:`Engine` training ``model`` with parameters and Adam states in chunks.
 
     ``optimizer``: a fresh ``torch.optim.Adam``/``AdamW`` whose param groups (and their
     hyper-parameters) are taken over; None builds AdamW/Adam from ``config.optimizer``.
-    ``config``: a :class:`Config`, a dict or a path to a JSON file.
+    ``config``: a :class:`Config`, a dict or a path to a JSON file (chunkmem's format or a
+    DeepSpeed config, see ``chunkmem.deepspeed_config``).
+    ``lr_scheduler``: a learning-rate scheduler built on ``optimizer`` (any
+    ``torch.optim.lr_scheduler``); the engine steps it after every update taken. Or name one
+    in ``config.scheduler`` instead. Either is ``engine.lr_scheduler``.
     """
     if isinstance(optimizer, (dict, str, Path, Config)):
         raise ConfigError(
@@ -59,6 +65,7 @@ def initialize(
             f"looks like a config: pass it by keyword, initialize(model, config=...)"
         )
     config = Config.coerce(config)
+    _check_lr_scheduler(lr_scheduler, optimizer, config)
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"initialize() needs a torch.nn.Module, got {type(model).__name__}")
     if engine_of(model) is not None:
@@ -159,7 +166,37 @@ def initialize(
     threads = None if offload.optimizer_threads == "auto" else offload.optimizer_threads
     adam = ChunkAdam(manager, states, param_groups, group_of, decoupled, threads)
     attach_overlap(config, adam, reducer)
-    return Engine(model, config, manager, states, hooks, activations, adam, choice, grad_handles)
+    if lr_scheduler is None:
+        lr_scheduler = build_scheduler(config.scheduler, adam)
+    return Engine(
+        model, config, manager, states, hooks, activations, adam, choice, grad_handles, lr_scheduler
+    )
+
+
+def _check_lr_scheduler(
+    lr_scheduler: Any, optimizer: torch.optim.Optimizer | None, config: Config
+) -> None:
+    """A scheduler passed in must act on the groups the engine reads: those of ``optimizer``."""
+    if lr_scheduler is None:
+        return
+    if config.scheduler.type is not None:
+        raise ConfigError(
+            f"initialize() got an lr_scheduler and config key 'scheduler.type' names "
+            f"{config.scheduler.type!r}; pass one of the two"
+        )
+    if not callable(getattr(lr_scheduler, "step", None)):
+        raise ConfigError(
+            f"lr_scheduler must have a step() method (a torch.optim.lr_scheduler), got "
+            f"{type(lr_scheduler).__name__}"
+        )
+    target = getattr(lr_scheduler, "optimizer", None)
+    if target is not None and target is not optimizer:
+        raise ConfigError(
+            f"the lr_scheduler ({type(lr_scheduler).__name__}) was built on another optimizer "
+            f"than the one passed to initialize(){'' if optimizer else ' (none was)'}: the "
+            f"learning rates it sets would never reach the engine. Build it on the "
+            f"torch.optim.Adam/AdamW you pass, or name a schedule in config key 'scheduler'"
+        )
 
 
 def _tiers(config: Config, device, capacity: int) -> TierSet:

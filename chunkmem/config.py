@@ -11,6 +11,7 @@ import difflib
 import json
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -76,6 +77,76 @@ class OptimizerConfig(_Section):
     weight_decay: float = Field(
         0.01, ge=0, description="L2 penalty (adam) or decoupled decay (adamw)."
     )
+
+
+_SCHEDULE_KEYS = {
+    "WarmupLR": ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"),
+    "WarmupDecayLR": (
+        "warmup_min_lr",
+        "warmup_max_lr",
+        "warmup_num_steps",
+        "warmup_type",
+        "total_num_steps",
+    ),
+    "WarmupCosineLR": (
+        "warmup_min_ratio",
+        "warmup_num_steps",
+        "cos_min_ratio",
+        "warmup_type",
+        "total_num_steps",
+    ),
+}
+
+
+class SchedulerConfig(_Section):
+    """Learning-rate schedule, as DeepSpeed defines it, stepped after every update taken."""
+
+    type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] | None = Field(
+        None,
+        description="null: the learning rate stays (or follows a scheduler passed to "
+        "initialize). WarmupLR: warm up, then constant. WarmupDecayLR: then linear decay to 0 "
+        "at total_num_steps. WarmupCosineLR: then a cosine to cos_min_ratio times the rate.",
+    )
+    warmup_min_lr: float = Field(0.0, ge=0, description="WarmupLR/WarmupDecayLR: first rate.")
+    warmup_max_lr: float | None = Field(
+        None,
+        gt=0,
+        description="WarmupLR/WarmupDecayLR: rate at the end of warm-up; null: optimizer.lr "
+        "(or the torch optimizer's first group).",
+    )
+    warmup_num_steps: int = Field(1000, ge=1, description="Updates the warm-up takes.")
+    warmup_type: Literal["log", "linear"] = Field(
+        "log", description="log: the rate rises as log(step + 1) / log(warmup_num_steps)."
+    )
+    total_num_steps: int | None = Field(
+        None, ge=1, description="WarmupDecayLR/WarmupCosineLR (required): where decay ends."
+    )
+    warmup_min_ratio: float = Field(
+        0.0, ge=0, le=1, description="WarmupCosineLR: first rate as a fraction of the rate."
+    )
+    cos_min_ratio: float = Field(
+        0.0001, ge=0, le=1, description="WarmupCosineLR: final rate as a fraction of the rate."
+    )
+
+    @model_validator(mode="after")
+    def _keys_fit_the_type(self) -> SchedulerConfig:
+        used = _SCHEDULE_KEYS.get(self.type, ()) if self.type else ()
+        # A key of another schedule may be present at its default (a dumped config reloads).
+        for key in sorted(self.model_fields_set - {"type", *used}):
+            if getattr(self, key) == type(self).model_fields[key].default:
+                continue
+            owners = [name for name, keys in _SCHEDULE_KEYS.items() if key in keys]
+            raise ValueError(
+                f"scheduler.{key} is a setting of {' and '.join(owners)}, not of "
+                f"scheduler.type {self.type!r}"
+            )
+        if self.type in ("WarmupDecayLR", "WarmupCosineLR") and self.total_num_steps is None:
+            raise ValueError(f"scheduler.type {self.type!r} needs scheduler.total_num_steps")
+        return self
+
+    def schedule_params(self) -> dict[str, Any]:
+        """The keyword arguments of the schedule ``type`` names."""
+        return {key: getattr(self, key) for key in _SCHEDULE_KEYS[self.type]} if self.type else {}
 
 
 class LossScaleConfig(_Section):
@@ -291,6 +362,7 @@ class Config(_Section):
         "report.",
     )
     optimizer: OptimizerConfig = OptimizerConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
     loss_scale: LossScaleConfig = LossScaleConfig()
     device: DeviceConfig = DeviceConfig()
     host: HostConfig = HostConfig()
@@ -330,6 +402,10 @@ class Config(_Section):
     def from_dict(cls, data: dict[str, Any]) -> Config:
         if not isinstance(data, dict):
             raise ConfigError(f"a config must be a dict (JSON object), got {type(data).__name__}")
+        if _is_deepspeed_config(data):
+            from chunkmem.deepspeed_config import from_deepspeed
+
+            return from_deepspeed(data)
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -406,24 +482,35 @@ def _section_at(location: tuple[Any, ...], root: type[BaseModel]) -> type[BaseMo
     return model
 
 
-def describe_validation_error(exc: ValidationError, root: type[BaseModel] = Config) -> str:
-    """One line per error of validating ``root``, naming the key, the value and the reason
-    (for an unknown key, the closest valid one)."""
+def _is_deepspeed_config(data: dict[str, Any]) -> bool:
+    from chunkmem.deepspeed_config import is_deepspeed_config
+
+    return is_deepspeed_config(data)
+
+
+def describe_validation_error(
+    exc: ValidationError,
+    name: Callable[[str], str] = lambda key: f"config key {key!r}",
+    root: type[BaseModel] | None = None,
+) -> str:
+    """One line per error of validating ``root`` (default :class:`Config`), naming the key
+    (as ``name`` spells it), the value and the reason (for an unknown key, the closest valid
+    one)."""
     lines = []
     for error in exc.errors():
         location = tuple(error["loc"])
         key = ".".join(str(part) for part in location) or "<root>"
         if error["type"] == "extra_forbidden":
-            section = _section_at(location, root)
+            section = _section_at(location, root or Config)
             valid = sorted(section.model_fields) if section else []
             close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""
-            lines.append(f"unknown config key {key!r}: {hint}valid keys here are {valid}")
+            lines.append(f"unknown {name(key)}: {hint}valid keys here are {valid}")
         elif not location:  # a check across keys: its message names them
             lines.append(str(error["msg"]).removeprefix("Value error, "))
         else:
             value = error.get("input")
             lines.append(
-                f"config key {key!r}: {error['msg']} (got {value!r} of type {type(value).__name__})"
+                f"{name(key)}: {error['msg']} (got {value!r} of type {type(value).__name__})"
             )
     return "invalid chunkmem config:\n  " + "\n  ".join(lines)

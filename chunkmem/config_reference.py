@@ -1,5 +1,5 @@
 """``python -m chunkmem.config_reference``: the config reference (docs/config.md), generated
-from the schema so it cannot drift from the code."""
+from the schema and the DeepSpeed key table so it cannot drift from the code."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import typing
 from pydantic import BaseModel
 
 from chunkmem.config import Config, parse_byte_size
+from chunkmem.deepspeed_config import mapping_markdown
 
 
 def type_name(annotation: object, metadata: list[object]) -> str:
@@ -63,7 +64,7 @@ def reference_markdown() -> str:
             section(child, f"{name}.")
 
     section(Config, "")
-    return "\n".join(lines)
+    return "\n".join(lines) + "\n" + mapping_markdown()
 
 
 if __name__ == "__main__":

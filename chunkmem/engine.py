@@ -13,6 +13,8 @@ import contextlib
 import enum
 import logging
 import math
+import sys
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Hashable, Iterator
@@ -69,6 +71,29 @@ class EnginePhase(enum.Enum):
     STOPPED = "stopped"
 
 
+def _eval_cycle_hooks(engine: Engine) -> list[Any]:
+    """Hooks on the root module that run every forward under no grad as an evaluation cycle,
+    whoever calls it. They hold the engine weakly: the model must not keep a dropped engine
+    (and its chunks) alive."""
+    engine_ref = weakref.ref(engine)
+
+    def before(module: torch.nn.Module, args: tuple) -> None:
+        live = engine_ref()
+        if live is not None and not torch.is_grad_enabled() and not live._closed:
+            live._begin_eval_cycle()
+
+    def after(module: torch.nn.Module, args: tuple, output: Any) -> None:
+        live = engine_ref()
+        if live is not None and live._eval_mode is not None:
+            # always_call: runs when the forward raised too, inside its except block
+            live._end_eval_cycle(sys.exc_info()[1])
+
+    return [
+        engine.module.register_forward_pre_hook(before, prepend=True),
+        engine.module.register_forward_hook(after, always_call=True),
+    ]
+
+
 def input_signature(args: tuple, kwargs: dict) -> Hashable:
     """Shapes and dtypes of the batch: traces are kept per signature."""
     flat, _ = tree_flatten((args, kwargs))
@@ -81,6 +106,13 @@ def input_signature(args: tuple, kwargs: dict) -> Hashable:
         else:
             parts.append(type(value).__name__)
     return tuple(parts)
+
+
+# The trace key every forward under no grad shares. A greedy decode calls the model once per
+# sequence length; a trace per input signature would record one per call (and record with a
+# zero chunk budget each time). The moments do not depend on the sequence length, and the
+# trace keeps the highest non-model peak it has seen at each moment.
+EVAL_TRACE = ("eval",)
 
 
 class Engine:
@@ -97,6 +129,7 @@ class Engine:
         optimizer: ChunkAdam,
         chunk_choice: ChunkSizeChoice,
         grad_hook_handles: list[Any],
+        lr_scheduler: Any = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -124,8 +157,13 @@ class Engine:
         self.stopped_because: str | None = None
         self.cycles_started = 0  # aborted cycles included: collectives carry the number
         self._closed = False
+        # Stepped after every optimizer update that was taken (``torch.optim.lr_scheduler`` or
+        # one from ``chunkmem.schedulers``); its ``state_dict`` belongs in a checkpoint.
+        self.lr_scheduler = lr_scheduler
         _ENGINE_OF[module] = weakref.ref(self)
         self._pack, self._unpack = make_saved_tensor_hooks(manager, activations, internal)
+        self._eval_mode: contextlib.ExitStack | None = None  # an open no-grad cycle's mode
+        self._root_hook_handles = _eval_cycle_hooks(self)
 
     # ---------------------------------------------------------------- accessors
     @property
@@ -144,35 +182,44 @@ class Engine:
     def loss_scale(self) -> float:
         return self.scaler.scale
 
+    @property
+    def training(self) -> bool:
+        return self.module.training
+
+    def train(self, mode: bool = True) -> Engine:
+        """``module.train(mode)``: dropout and the like; returns the engine."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """``module.eval()``; returns the engine. Run evaluation under ``torch.no_grad()``."""
+        return self.train(False)
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of each parameter group, as the next update will use it."""
+        return [float(group["lr"]) for group in self.optimizer.param_groups]
+
     # ---------------------------------------------------------------- the three calls
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_not_stopped()
+        self._abandon_interrupted_eval_cycle()
         if self.phase is EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
-                "forward called again before backward; call engine.backward(loss) first, "
-                "engine.discard() to drop that batch, or run evaluation forwards under "
-                "torch.no_grad()"
+                "forward called again before backward; call engine.backward(loss) first, or "
+                "engine.discard() to drop that batch (an evaluation forward under no grad "
+                "waits for the training cycle to end too)"
             )
         if self.phase is EnginePhase.BACKWARD_DONE:
             raise EngineUsageError(
                 "call engine.step() after engine.backward() before the next forward"
             )
-        training = torch.is_grad_enabled()
-        if not training and self.tracer.in_cycle:
-            raise EngineUsageError(
-                "an evaluation forward (no grad) in the middle of gradient accumulation; "
-                "finish the accumulation window with engine.step() first"
-            )
         args, kwargs = cast_floating(
             (args, kwargs), self.compute_dtype, self.residency.device.torch_device
         )
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)  # the root's hooks run a no-grad cycle
         if not self.tracer.in_cycle:
-            self._forget_calls_outside_the_engine()
-            self.tracer.begin_cycle(
-                ("train" if training else "eval", input_signature(args, kwargs))
-            )
-            self.cycles_started += 1
-            self.states.sharding.begin_cycle(self.cycles_started)
+            self._begin_cycle(("train", input_signature(args, kwargs)))
         recording = not self.tracer.replaying
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -188,13 +235,52 @@ class Engine:
         except BaseException as error:
             self._abort(error)
             raise
-        if training:
-            self.phase = EnginePhase.FORWARD_DONE
-        else:
-            self.manager.reset_states()
-            self.residency.trace_nonmodel_peak()
-            self.tracer.end_cycle()
+        self.phase = EnginePhase.FORWARD_DONE
         return output
+
+    def _begin_cycle(self, key: Hashable) -> None:
+        self._forget_calls_outside_the_engine()
+        self.tracer.begin_cycle(key)
+        self.cycles_started += 1
+        self.states.sharding.begin_cycle(self.cycles_started)
+
+    def _begin_eval_cycle(self) -> None:
+        """Before a forward of the model under no grad (``engine(...)``, ``model.generate``,
+        any call of the wrapped model): a cycle of its own under the shared evaluation trace,
+        which never touches gradients or optimizer states."""
+        self._check_not_stopped()
+        self._abandon_interrupted_eval_cycle()
+        if self.tracer.in_cycle:
+            raise EngineUsageError(
+                "a forward under no grad in the middle of a training cycle (a training "
+                "forward is waiting for engine.backward(), or gradient accumulation for "
+                "engine.step()); finish the cycle first, or call engine.discard()"
+            )
+        self._begin_cycle(EVAL_TRACE)
+        self._eval_mode = contextlib.ExitStack()
+        if not self.tracer.replaying:
+            self._eval_mode.enter_context(UnhookedAccessMode(self.manager, self.hooks))
+
+    def _abandon_interrupted_eval_cycle(self) -> None:
+        """A no-grad forward stopped by a ``BaseException`` (KeyboardInterrupt), which module
+        hooks do not see, leaves its cycle open."""
+        if self._eval_mode is not None:
+            self._end_eval_cycle(EngineUsageError("interrupted"))
+
+    def _end_eval_cycle(self, error: BaseException | None) -> None:
+        mode, self._eval_mode = self._eval_mode, None
+        try:
+            mode.close()
+            if error is None and not self.params.all_packed:
+                self.params.pack_remaining(self.residency.tiers.spill)
+        except BaseException as close_error:
+            error = close_error
+        if error is not None:
+            self._abort(error)
+            return
+        self.manager.reset_states()
+        self.residency.trace_nonmodel_peak()
+        self.tracer.end_cycle()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
@@ -257,9 +343,23 @@ class Engine:
             raise
         self._end_cycle()
         self.global_steps += 1
+        if not found_inf:
+            self._step_lr_scheduler()  # after the cycle: a scheduler that raises stops nothing
         return not found_inf
 
     # ---------------------------------------------------------------- internals
+    def _step_lr_scheduler(self) -> None:
+        """After an update that was taken (as DeepSpeed does: a skipped step does not advance
+        the schedule). The engine runs the update itself, so torch's check that
+        ``optimizer.step()`` came first cannot see it: its warning is wrong here."""
+        if self.lr_scheduler is None:
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before"
+            )
+            self.lr_scheduler.step()
+
     def _unscale_and_clip(self) -> tuple[bool, float]:
         """(skip this step, gradient divisor). The global norm is computed every step: it is
         the clipping norm, and it tells non-finite gradients (one read of the gradients; under
@@ -339,8 +439,8 @@ class Engine:
                 self._stop(f"a collective failed ({error})")
 
     def _forget_calls_outside_the_engine(self) -> None:
-        """A forward or backward of the bare model (eval, generation, a refused stray backward)
-        may leave hook frames and parameters in COMPUTE; no cycle runs, so nothing is in use."""
+        """A forward or backward of the bare model with grad (a refused stray backward) may
+        leave hook frames and parameters in COMPUTE; no cycle runs, so nothing is in use."""
         if self.hooks.stack or self.hooks.open_calls or not self.params.states_hold():
             self.hooks.reset()
             self.manager.reset_states()
@@ -496,9 +596,10 @@ class Engine:
         finally:
             self._closed = True
             self.hooks.detach()
-            for handle in self._grad_hook_handles:
+            for handle in [*self._grad_hook_handles, *self._root_hook_handles]:
                 handle.remove()
             self._grad_hook_handles.clear()
+            self._root_hook_handles.clear()
             _ENGINE_OF.pop(self.module, None)
             self.residency.tiers.close()  # after the values were read from them
 

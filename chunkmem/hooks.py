@@ -3,8 +3,9 @@
 - Module forward pre/post hooks: a module's parameters are accessed before its forward and
   released after it; the pre-forward is a tracer moment.
 - Pre-backward: a hook on the module's outputs fires when their gradient arrives, before the
-  module's backward runs. Post-backward: an identity autograd function on the module's inputs
-  fires once their gradients are computed, i.e. after the module's backward.
+  module's backward runs. Post-backward: hooks on the autograd nodes of the module's forward
+  that read its inputs fire once the last of them has run, i.e. after the module's backward
+  (see [Note: post-backward without a node of our own]).
 - The saved-tensor hooks live in :mod:`chunkmem.saved_tensors`.
 - While a trace is being recorded, a torch-function mode catches parameter uses that no
   module hook arranged (a parent reading ``self.child.weight``); they are served on demand and
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._C._autograd import _get_sequence_nr as _next_sequence_nr
+from torch.autograd.graph import get_gradient_edge
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -43,29 +46,30 @@ internal = _Internal()
 
 @dataclass(eq=False)
 class _Call:
-    """One call of a module: its backward hooks fire at most once each."""
+    """One call of a module: its backward hooks fire at most once each.
+
+    [Note: post-backward without a node of our own] The module's backward is done when every
+    autograd node its forward created that reads one of its inputs has run: those nodes
+    (``readers``) get a post-hook each, and the last to run releases the module. An identity
+    autograd function wrapped around the inputs would tell the same moment, but it changes
+    the graph: a module that reads its input twice (RMSNorm's ``x * rsqrt(mean(x * x))``)
+    would sum its two gradient contributions inside the identity and then add the residual
+    path's, where plain PyTorch adds all three in one buffer, in another order; a tiny Llama
+    drifted 6.7e-5 from PyTorch in 10 steps. Hooks on the graph's own nodes change nothing.
+    A hook on the inputs' gradients (``register_multi_grad_hook``) would not change the
+    graph either, but fires only when an input's whole gradient is summed, i.e. after every
+    other reader of it too: T5's position bias and encoder output are read by every layer,
+    so every layer would stay on the device until the stack's backward ended. Neither the
+    call nor a hook holds a node: a hook that did would keep the graph (and a checkpointed
+    block's recomputed activations) alive in a cycle until the garbage collector ran.
+    """
 
     module: torch.nn.Module
     moment: Moment  # its pre-backward moment
     params: list[torch.nn.Parameter]
+    readers_pending: int = 0  # reader nodes that have not run yet
     pre_backward_done: bool = False
     post_backward_done: bool = False
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs after the module's backward."""
-
-    @staticmethod
-    def forward(ctx, hooks: ModuleHooks, call: _Call, *inputs: torch.Tensor):  # type: ignore[override]
-        ctx.hooks = hooks
-        ctx.call = call
-        return inputs if len(inputs) > 1 else inputs[0]
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        with internal:
-            ctx.hooks.post_backward(ctx.call)
-        return (None, None, *grads)
 
 
 @dataclass(eq=False)
@@ -84,6 +88,10 @@ class _Frame:
     module: torch.nn.Module
     acquired: list[torch.nn.Parameter] | None = None
     call: _Call | None = None
+    # Where the call's inputs get their gradients, and the first autograd sequence number
+    # its forward can create: what tells its reader nodes (see _Call).
+    input_edges: list[tuple[Any, int]] = field(default_factory=list)
+    first_node: int = 0
 
 
 @dataclass
@@ -152,23 +160,14 @@ class ModuleHooks:
         if not torch.is_grad_enabled():
             return None
         frame.call = _Call(module, backward, params)
-        return self._wrap_inputs(frame.call, args, kwargs)
-
-    def _wrap_inputs(self, call: _Call, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Route the inputs that need gradients through the post-backward function."""
         simple = not kwargs and not any(isinstance(a, (list, tuple, dict)) for a in args)
-        flat, spec = (list(args), None) if simple else tree_flatten((args, kwargs))
-        positions = [
-            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
-        ]
-        if not positions:
-            return None
-        wrapped = _PostBackward.apply(self, call, *(flat[i] for i in positions))
-        if len(positions) == 1:
-            wrapped = (wrapped,)
-        for position, tensor in zip(positions, wrapped, strict=True):
-            flat[position] = tensor
-        return (tuple(flat), kwargs) if spec is None else spec.unflatten(flat)
+        flat = args if simple else tree_flatten((args, kwargs))[0]
+        for x in flat:
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                edge = get_gradient_edge(x)
+                frame.input_edges.append((edge.node, edge.output_nr))
+        frame.first_node = _next_sequence_nr()
+        return None
 
     def _post_forward_inner(self, module: torch.nn.Module, output: Any) -> None:
         if not self.stack or self.stack[-1].module is not module:
@@ -184,10 +183,26 @@ class ModuleHooks:
             with internal:
                 self.pre_backward(call)
 
-        outputs = (output,) if isinstance(output, torch.Tensor) else _tensors(output)
+        outputs = [
+            tensor
+            for tensor in ((output,) if isinstance(output, torch.Tensor) else _tensors(output))
+            if tensor.requires_grad
+        ]
         for tensor in outputs:
-            if tensor.requires_grad:
-                tensor.register_hook(on_output_grad)
+            tensor.register_hook(on_output_grad)
+        if not frame.input_edges:
+            return  # nothing to tell its backward's end by: finish_backward closes it
+
+        def on_reader_done(grad_inputs: Any, grad_outputs: Any) -> None:
+            call.readers_pending -= 1
+            if call.readers_pending == 0:
+                with internal:
+                    self.post_backward(call)
+
+        readers = _reader_nodes(outputs, frame.input_edges, frame.first_node)
+        call.readers_pending = len(readers)
+        for node in readers:
+            node.register_hook(on_reader_done)
 
     # backward
     def pre_backward(self, call: _Call) -> None:
@@ -239,6 +254,37 @@ def plan_units(
 
     visit(model)
     return units
+
+
+def _reader_nodes(
+    outputs: list[torch.Tensor], input_edges: list[tuple[Any, int]], first_node: int
+) -> list[Any]:
+    """The autograd nodes created since sequence number ``first_node`` on the way from
+    ``outputs`` back to ``input_edges`` that read an input directly.
+
+    Nodes created before the call are not entered: a tensor the module captured from outside
+    would otherwise lead the walk through the whole graph before it.
+    """
+    inputs = {(id(node), nr) for node, nr in input_edges}
+    readers: list[Any] = []
+    seen: dict[int, Any] = {}  # holds the nodes: a freed wrapper's id could come back
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen or node._sequence_nr() < first_node:
+            continue
+        seen[id(node)] = node
+        reads_input = False
+        for child, nr in node.next_functions:
+            if child is None:
+                continue
+            if (id(child), nr) in inputs:
+                reads_input = True
+            else:
+                stack.append(child)
+        if reads_input:
+            readers.append(node)
+    return readers
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:

@@ -73,7 +73,10 @@ def native_host_optimizer() -> ModuleType | None:
 def groups_from_torch_optimizer(
     optimizer: torch.optim.Optimizer,
 ) -> tuple[list[dict[str, Any]], list[list[torch.nn.Parameter]], bool]:
-    """Hyper-parameter groups, their parameters and whether decay is decoupled (AdamW)."""
+    """Hyper-parameter groups, their parameters and whether decay is decoupled (AdamW).
+
+    The groups are the optimizer's own dicts, so an LR scheduler built on ``optimizer`` sets
+    the learning rate the chunked update reads."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         raise ConfigError(
             f"chunkmem runs Adam/AdamW on its chunks; got {type(optimizer).__name__}. Pass a "
@@ -95,15 +98,14 @@ def groups_from_torch_optimizer(
                     f"optimizer param group {index} sets {flag}=True, which chunkmem does not "
                     f"support; set it to False"
                 )
-        lr = group["lr"]
-        groups.append(
-            {
-                "lr": float(lr),
-                "betas": tuple(float(b) for b in group["betas"]),
-                "eps": float(group["eps"]),
-                "weight_decay": float(group["weight_decay"]),
-            }
-        )
+        for key in ("betas", "eps", "weight_decay"):
+            values = group[key] if key == "betas" else (group[key],)
+            if any(isinstance(v, torch.Tensor) for v in values):
+                raise ConfigError(
+                    f"optimizer param group {index} holds {key} as a tensor; chunkmem reads "
+                    f"{key} as a number (a tensor learning rate is fine)"
+                )
+        groups.append(group)
         params.append(list(group["params"]))
     return groups, params, decoupled
 
@@ -126,6 +128,7 @@ class LayoutUpdate:
         self.slot_ids = {id(slot) for slot in slots}
         self.pending: Future | None = None  # the run, when another thread does it
         self.finished = False
+        self.grad_norms: list[torch.Tensor] = []  # of an early update, for the step's check
         self._adam = adam
         self._stack = stack
         self._calls = calls
@@ -258,7 +261,10 @@ class ChunkAdam:
         pieces = owned_pieces(layout, self.states.state_span(layout))
         if not pieces:
             return False
+        # The step's norm check needs these gradients, which the early update consumes.
+        norms = self._piece_norms(pieces)
         update = self.prepare(layout, pieces, float(self.sharding.world_size), defer_reads=True)
+        update.grad_norms = norms
         self.layouts_updated += 1
         self.launched[layout.index] = update
         update.pending = submit(update.run)
@@ -563,18 +569,13 @@ class ChunkAdam:
         Like ``clip_grad_norm_``: the fp32 norm of per-tensor norms (here per piece); ranks
         add the squares of their local norms.
         """
-        grad_source = self.grads.reducer.grad_source
         norms = []
         for layout in self.params.trainable_layouts():
-            pieces = owned_pieces(layout, self.states.state_span(layout))
-            sources = [grad_source(s) for s, _lo, _hi in pieces]
-            # A gradient chunk evicted in backward may still be copying to the host (or one
-            # fetched back, to the device): wait for it, as every other reader does.
-            for chunk in dict.fromkeys(sources):
-                self.residency.ready(chunk)
-            views = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
-            if views:
-                norms.extend(n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32))
+            early = self.launched.get(layout.index)
+            if early is not None:  # taken before its update consumed the gradients
+                norms.extend(early.grad_norms)
+                continue
+            norms.extend(self._piece_norms(owned_pieces(layout, self.states.state_span(layout))))
         local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         sharding = self.sharding
         if sharding.world_size == 1:
@@ -582,6 +583,20 @@ class ChunkAdam:
         squares = local.double().square().reshape(1)
         sharding.all_reduce_sum(squares)
         return math.sqrt(float(squares)) / sharding.world_size
+
+
+    def _piece_norms(self, pieces: list[Piece]) -> list[torch.Tensor]:
+        """fp32 L2 norms of the pieces' gradients, on the CPU."""
+        if not pieces:
+            return []
+        grad_source = self.grads.reducer.grad_source
+        sources = [grad_source(s) for s, _lo, _hi in pieces]
+        # A gradient chunk evicted in backward may still be copying to the host (or one
+        # fetched back, to the device): wait for it, as every other reader does.
+        for chunk in dict.fromkeys(sources):
+            self.residency.ready(chunk)
+        views = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
+        return [n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32)]
 
 
 Piece = tuple[TensorSlot, int, int]  # a slot and a range of its flat elements

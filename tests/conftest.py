@@ -12,6 +12,17 @@ def _deterministic() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test: small models on a shared 2-core machine run 10-50x
+    faster than with threads fighting over the cores (results do not depend on it: the engine
+    and its reference run alike). Use with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

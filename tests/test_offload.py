@@ -110,7 +110,7 @@ def test_states_on_nvme_under_a_host_budget_smaller_than_the_states_match_torch_
     assert ledger.tiers["host"].peak <= host
     nvme = ledger.tiers["nvme"]
     assert sum(nvme.by_kind[k] for k in ("master", "exp_avg", "exp_avg_sq")) >= state_bytes
-    assert ledger.bytes_into["nvme"][STEPS - 1] >= state_bytes, "written back every step"
+    assert ledger.bytes_into("nvme", STEPS - 1) >= state_bytes, "written back every step"
     root = engine.residency.tiers["nvme"].root
     assert any(root.iterdir())
     engine.close()

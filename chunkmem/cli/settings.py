@@ -150,7 +150,7 @@ def load(config_file: str | Path | None, overrides: list[str]) -> tuple[RunSetti
     try:
         settings = RunSettings.model_validate(own)
     except ValidationError as exc:
-        raise ConfigError(describe_validation_error(exc, RunSettings)) from None
+        raise ConfigError(describe_validation_error(exc, root=RunSettings)) from None
     return settings, Config.from_dict(data)
 
 
