@@ -10,17 +10,16 @@ model of any size is estimated in seconds on a laptop. How close it comes to mea
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 
-from chunkmem.api import _DTYPES, _ALIGNMENT, _check_capacity, _chunk_size, _states_fit
+from chunkmem.api import _ALIGNMENT, _DTYPES, _chunk_size, _states_fit, moment_floor_bytes
 from chunkmem.cli.models import build_model, describe
 from chunkmem.cli.settings import ModelSettings
 from chunkmem.config import Config
-from chunkmem.errors import CapacityError, ConfigError
+from chunkmem.errors import ConfigError
 from chunkmem.estimate.memory import MemoryEstimate, estimate_memory, pack_layouts
 from chunkmem.estimate.trace import trace_model
 from chunkmem.estimate.wire import WireEstimate, estimate_wire
@@ -115,20 +114,21 @@ def estimate(
     tokens = torch.zeros(batch, model.seq, dtype=torch.long, device="meta")
     trace = trace_model(net, (tokens, tokens), choice.size if unit == "chunk" else unit)
     packed = pack_layouts(params, trace, choice.size, math.lcm(_ALIGNMENT, world_size))
-    memory = estimate_memory(trace, packed, config, world_size, capacity, gpu)
-    try:
-        separate = config.precision == "fp32" or config.gradient_accumulation_steps > 1
-        _check_capacity(0, choice.size, params, dtype, separate or config.zero.stage > 0)
-    except CapacityError as error:
-        floor = int(str(error).split(" bytes the chunks")[0].rsplit(" ", 1)[-1].replace(",", ""))
-        memory = replace(memory, min_device_bytes=max(memory.min_device_bytes, floor))
+    memory, gathers = estimate_memory(trace, packed, config, world_size, capacity, gpu)
+    separate_grads = (
+        config.precision == "fp32"
+        or config.gradient_accumulation_steps > 1
+        or config.zero.stage > 0
+    )
+    floor = moment_floor_bytes(choice.size, params, dtype, separate_grads)
+    memory = replace(memory, min_device_bytes=max(memory.min_device_bytes, floor))
     wire = estimate_wire(
         packed,
         config.zero.stage,
         dtype.itemsize,
         world_size,
         node_size,
-        _gathers(trace, packed, config, world_size) if config.zero.stage == 3 else None,
+        gathers,
         len(params),
     )
     return Estimate(

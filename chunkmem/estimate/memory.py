@@ -67,7 +67,9 @@ def pack_layouts(
         param = params[i]
         _slot, layout, _created = packers[param.requires_grad].place(trace.names[i], param)
         placed[i] = layout
-    layouts = sorted({id(layout): layout for layout in placed.values()}.values(), key=lambda l: l.index)
+    layouts = sorted(
+        {id(layout): layout for layout in placed.values()}.values(), key=lambda layout: layout.index
+    )
     position = {id(layout): k for k, layout in enumerate(layouts)}
     for i, layout in placed.items():
         layout_of[i] = position[id(layout)]
@@ -313,10 +315,10 @@ def estimate_memory(
     world_size: int,
     capacity: int,
     gpu: bool,
-) -> MemoryEstimate:
-    """One rank's bytes; ``capacity`` is the device's, ``gpu`` whether updates on the host
-    stage gradients through host buffers (a real device) or read them in place (the
-    simulated one)."""
+) -> tuple[MemoryEstimate, Counter[int]]:
+    """One rank's bytes, and the all-gathers of each layout in a step (ZeRO-3).
+    ``capacity`` is the device's; ``gpu`` whether updates on the host stage gradients through
+    host buffers (a real device) or read them in place (the simulated one)."""
     probe = _Simulation(trace, packed, config, world_size)
     trainable = packed.trainable
     elements = [probe.state_elements(i) for i in trainable]
@@ -339,7 +341,7 @@ def estimate_memory(
     )
     host = host_state + _host_workspace(config, sim, homes, gpu)
     device = sim.device
-    return MemoryEstimate(
+    estimate = MemoryEstimate(
         peak_device_bytes=device.peak,
         peak_device_at=device.peak_at,
         device_bytes_at_peak=device.peak_by_kind,
@@ -354,6 +356,7 @@ def estimate_memory(
         padding_elements=sum(layout.padding for layout in packed.layouts),
         elements_per_rank=sum(elements),
     )
+    return estimate, sim.gathers
 
 
 def _state_homes(sim: _Simulation, config: Config, capacity: int, elements: list[int]) -> list[str]:
@@ -409,7 +412,11 @@ def _warmup_host(sim: _Simulation, config: Config) -> int:
     and gradients wait on the host between uses, and fp32 masters live there until the
     first step gives them their home."""
     param = sim.param_bytes()
-    grads = sum(sim.capacity(i) for i in sim.packed.trainable) * sim.itemsize if sim.separate_grads else 0
+    grads = (
+        sum(sim.capacity(i) for i in sim.packed.trainable) * sim.itemsize
+        if sim.separate_grads
+        else 0
+    )
     masters = sum(sim.state_elements(i) for i in sim.packed.trainable) * 4 if sim.mixed else 0
     return param + grads + masters
 

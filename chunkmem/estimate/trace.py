@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from chunkmem.hooks import plan_units
@@ -49,6 +51,40 @@ class ModelTrace:
     @property
     def num_parameters(self) -> int:
         return sum(self.numels)
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Attention as the fused kernels run it.
+
+    On the meta device ``scaled_dot_product_attention`` takes the math path, which saves
+    the attention matrix (batch x heads x seq^2 per layer) for backward; the fused kernels
+    that CPUs and GPUs run keep only the output and a logsumexp per row. The CPU flash
+    kernel's meta function saves what they save, so calls go there (and fall back to the
+    math path where it does not apply, e.g. grouped-query attention).
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and not kwargs.get("enable_gqa"):
+            try:
+                return _flash(*args, **kwargs)
+            except (RuntimeError, TypeError, NotImplementedError):
+                pass
+        return func(*args, **kwargs)
+
+
+def _flash(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
 class _Call:
@@ -196,11 +232,15 @@ def trace_model(
         call = _Call(unit)
         stack.append((unit, call, True))
         flat, spec = tree_flatten((args, kwargs))
-        positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        positions = [
+            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
         if not positions:
             return None
         wrapped = _PostBackward.apply(recorder, call, *(flat[i] for i in positions))
-        for position, tensor in zip(positions, wrapped if len(positions) > 1 else (wrapped,), strict=True):
+        for position, tensor in zip(
+            positions, wrapped if len(positions) > 1 else (wrapped,), strict=True
+        ):
             flat[position] = tensor
         return spec.unflatten(flat)
 
@@ -226,9 +266,14 @@ def trace_model(
     for module in hooked:
         handles.append(module.register_forward_pre_hook(pre_forward, with_kwargs=True))
         handles.append(module.register_forward_hook(post_forward, always_call=True))
-    handles.extend(p.register_post_accumulate_grad_hook(grad_done) for p in params if p.requires_grad)
+    handles.extend(
+        p.register_post_accumulate_grad_hook(grad_done) for p in params if p.requires_grad
+    )
     try:
-        with torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack):
+        with (
+            _FusedAttention(),
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
+        ):
             loss = model(*inputs)
             loss.backward()
         recorder.finish_backward()
