@@ -584,7 +584,6 @@ class ChunkAdam:
         sharding.all_reduce_sum(squares)
         return math.sqrt(float(squares)) / sharding.world_size
 
-
     def _piece_norms(self, pieces: list[Piece]) -> list[torch.Tensor]:
         """fp32 L2 norms of the pieces' gradients, on the CPU."""
         if not pieces:

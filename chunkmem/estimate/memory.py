@@ -13,7 +13,9 @@ does with them in a steady iteration (every chunk resident, nothing evicted):
 - gathered copies (ZeRO-3): a layout's whole parameters from its first use in a phase until
   its last, plus the next moment's, prefetched;
 - activations: the trace's saved tensors, plus each gradient while it is stored;
-- the step: a 1 MiB fp32 workspace per update on the device in bf16/fp16.
+- the step: a 1 MiB fp32 workspace per update on the device in bf16/fp16;
+- the first cycle, which records the trace: under ZeRO every gradient chunk and shard at
+  once at the end of its backward.
 
 The peak is the largest sum at any event; the formulas of tests/test_zero.py (model states
 per rank) are what it reduces to at the end of backward.
@@ -87,11 +89,14 @@ class _Device:
 
     def add(self, kind: str, nbytes: int, label: str) -> None:
         self.by_kind[kind] += nbytes
-        total = sum(self.by_kind.values())
+        self.consider(self.by_kind, label)
+
+    def consider(self, by_kind: Counter[str], label: str) -> None:
+        total = sum(by_kind.values())
         if total > self.peak:
             self.peak = total
             self.peak_at = label
-            self.peak_by_kind = {k: v for k, v in self.by_kind.items() if v}
+            self.peak_by_kind = {k: v for k, v in by_kind.items() if v}
 
 
 @dataclass(frozen=True)
@@ -274,6 +279,19 @@ class _Simulation:
         grads.discard(layout)
         self.device.add("grad", -self.capacity(layout) * self.itemsize, label)
 
+    def first_cycle(self) -> None:
+        """The first cycle records the trace: under ZeRO it cannot overlap reductions with
+        backward (it learns which gradients to expect), so every layout is reduced after
+        it, all gradient chunks and shards pinned at once, while nothing else need stay."""
+        if self.stage == 0:
+            return
+        trainable = self.packed.trainable
+        grads = sum(self.capacity(i) for i in trainable) * self.itemsize
+        shards = sum(self.shard(i) for i in trainable) * self.itemsize
+        self.device.consider(
+            Counter({"grad": grads, "grad_shard": shards}), "end of the first backward"
+        )
+
     def _step(self, grads: set[int]) -> None:
         device = self.device
         if self.stage == 1:  # reduce-scatter every layout before the step
@@ -329,6 +347,7 @@ def estimate_memory(
         config, on_device=True
     )
     sim.run(device_state)
+    sim.first_cycle()
     host_state = sum(
         n * state_bytes_per_element(config, on_device=False)
         for n, home in zip(elements, homes, strict=True)

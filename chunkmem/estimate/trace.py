@@ -87,6 +87,31 @@ def _flash(
     return flash(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
 
 
+def _backward(loss: torch.Tensor) -> None:
+    """``loss.backward()`` with the torch-function mode still active.
+
+    ``Tensor.backward`` is itself a torch function, and a mode is switched off while it
+    handles one: the blocks that activation checkpointing recomputes in backward would take
+    the math path, and checkpointing refuses recomputed tensors that differ from the saved
+    ones. So the autograd engine is called directly (torch's private entry point, present
+    since 2.3; the public one is the fallback, without the fused-attention routing in
+    recomputed blocks).
+    """
+    run = getattr(torch.autograd.graph, "_engine_run_backward", None)
+    if run is None:
+        loss.backward()
+        return
+    run(
+        (loss,),
+        (torch.ones_like(loss),),
+        False,
+        False,
+        (),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
 class _Call:
     __slots__ = ("unit", "pre_done", "post_done")
 
@@ -275,7 +300,7 @@ def trace_model(
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
         ):
             loss = model(*inputs)
-            loss.backward()
+            _backward(loss)
         recorder.finish_backward()
         trace.events.append(("end",))
     finally:
