@@ -185,7 +185,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     overrides = list(args.overrides)
     if args.data is not None:
         overrides.append(f"train.data={args.data}")
-    run_settings, config = settings.load(args.config, overrides)
+    world_size = args.nproc if args.nproc > 1 else int(os.environ.get("WORLD_SIZE", 1))
+    run_settings, config = settings.load(args.config, overrides, world_size)
     if args.nproc < 1:
         raise ConfigError(f"--nproc must be at least 1, got {args.nproc}")
     if args.nproc > 1:

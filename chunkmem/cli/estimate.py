@@ -22,8 +22,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.model is not None:
         overrides.append(f"model.build={args.model}")
-    settings, config = load(args.config, overrides)
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
+    settings, config = load(args.config, overrides, world_size)
     device = _bytes("--device-memory", args.device_memory, config.device.capacity)
     host = _bytes("--host-memory", args.host_memory, config.host.capacity)
 

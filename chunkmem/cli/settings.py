@@ -1,7 +1,7 @@
 """What ``chunkmem train`` reads: a config file plus ``--set key=value`` overrides.
 
-A run file is an engine config (ours, every key in docs/config.md) with two more sections
-the command owns: ``model`` (what to build) and ``train`` (steps, batch, data,
+A run file is an engine config (ours, every key in docs/config.md, or a DeepSpeed JSON
+config) with two more sections the command owns: ``model`` (what to build) and ``train`` (steps, batch, data,
 checkpoints). Without ``--config`` the engine config is :data:`DEFAULT_ENGINE_CONFIG`, the
 demo's. Overrides are applied to the raw file before anything is validated, so a bad value
 fails with the key's name whichever way it came in.
@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from chunkmem.config import Config, describe_validation_error
+from chunkmem.deepspeed_config import from_deepspeed, is_deepspeed_config
 from chunkmem.errors import ConfigError
 
 # A GPT 4x128 (0.83M parameters, 13 MiB of fp32 model states) on a device of 5 MiB: the
@@ -142,15 +143,28 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load(config_file: str | Path | None, overrides: list[str]) -> tuple[RunSettings, Config]:
-    """The run's own settings and the engine config, validated; errors name the key."""
+def load(
+    config_file: str | Path | None, overrides: list[str], world_size: int | None = None
+) -> tuple[RunSettings, Config]:
+    """The run's own settings and the engine config, validated; errors name the key.
+
+    A DeepSpeed config (recognised by its keys, chunkmem/deepspeed_config.py) is translated
+    for ``world_size`` ranks (DeepSpeed's batch-size rule needs it; None: the environment's),
+    and its ``train_micro_batch_size_per_gpu`` is the micro-batch unless ``train.batch`` is set.
+    """
     data = read_config_file(config_file) if config_file else copy.deepcopy(DEFAULT_ENGINE_CONFIG)
     data = apply_overrides(data, overrides)
     own = {key: data.pop(key) for key in OWN_SECTIONS if key in data}
+    deepspeed = is_deepspeed_config(data)
+    micro = data.get("train_micro_batch_size_per_gpu")
+    if deepspeed and isinstance(own.get("train", {}), dict) and micro is not None:
+        own["train"] = {"batch": micro, **own.get("train", {})}
     try:
         settings = RunSettings.model_validate(own)
     except ValidationError as exc:
         raise ConfigError(describe_validation_error(exc, root=RunSettings)) from None
+    if deepspeed:
+        return settings, from_deepspeed(data, world_size)
     return settings, Config.from_dict(data)
 
 
