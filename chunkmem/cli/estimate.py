@@ -16,6 +16,7 @@ from chunkmem.errors import ConfigError
 from chunkmem.estimate import Estimate, estimate
 
 _SEARCH_LIMIT = 1 << 20
+_INTEGER = (int, int | None)
 
 
 def run_estimate(args: argparse.Namespace) -> int:
@@ -63,10 +64,10 @@ def with_value(model: ModelSettings, key: str, value: int) -> ModelSettings:
     """``model`` with ``key`` (a field, or ``kwargs.NAME``) set to ``value``."""
     if key.startswith("kwargs."):
         return model.model_copy(update={"kwargs": {**model.kwargs, key[len("kwargs.") :]: value}})
-    if key not in ModelSettings.model_fields or not isinstance(getattr(model, key), int | None):
-        numeric = [k for k, v in model.model_dump().items() if isinstance(v, int)]
+    integers = [k for k, f in ModelSettings.model_fields.items() if f.annotation in _INTEGER]
+    if key not in integers:
         raise ConfigError(
-            f"--max-model {key!r}: not an integer model key; use one of {numeric} or kwargs.NAME"
+            f"--max-model {key!r}: not an integer model key; use one of {integers} or kwargs.NAME"
         )
     return ModelSettings.model_validate({**model.model_dump(), key: value})
 

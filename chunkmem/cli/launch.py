@@ -43,6 +43,8 @@ def without_nproc(argv: list[str]) -> list[str]:
 def spawn(argv: list[str], nproc: int) -> int:
     """Run ``python -m chunkmem <argv>`` as ``nproc`` ranks; returns the run's exit code."""
     base = {
+        # Each rank's torch threads share the cores with its peers' (torchrun's default too).
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc)),
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),

@@ -112,7 +112,7 @@ def estimate(
     )
     unit = config.placement.unit_elements
     tokens = torch.zeros(batch, model.seq, dtype=torch.long, device="meta")
-    trace = trace_model(net, (tokens, tokens), choice.size if unit == "chunk" else unit)
+    trace = trace_model(net, (tokens, tokens), choice.size if unit == "chunk" else unit, gpu)
     packed = pack_layouts(params, trace, choice.size, math.lcm(_ALIGNMENT, world_size))
     memory, gathers = estimate_memory(trace, packed, config, world_size, capacity, gpu)
     separate_grads = (

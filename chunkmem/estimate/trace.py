@@ -59,13 +59,20 @@ class _FusedAttention(TorchFunctionMode):
     On the meta device ``scaled_dot_product_attention`` takes the math path, which saves
     the attention matrix (batch x heads x seq^2 per layer) for backward; the fused kernels
     that CPUs and GPUs run keep only the output and a logsumexp per row. The CPU flash
-    kernel's meta function saves what they save, so calls go there (and fall back to the
-    math path where it does not apply, e.g. grouped-query attention).
+    kernel's meta function saves what they save, so calls go there where the target runs a
+    fused kernel: always on a GPU, on a CPU only without dropout (torch's CPU choice). Where
+    it does not apply (grouped-query attention) the math path stays.
     """
+
+    def __init__(self, gpu: bool) -> None:
+        super().__init__()
+        self.gpu = gpu
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and not kwargs.get("enable_gqa"):
+        dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
+        fused = self.gpu or not dropout
+        if func is F.scaled_dot_product_attention and fused and not kwargs.get("enable_gqa"):
             try:
                 return _flash(*args, **kwargs)
             except (RuntimeError, TypeError, NotImplementedError):
@@ -214,10 +221,14 @@ class _Recorder:
 
 
 def trace_model(
-    model: torch.nn.Module, inputs: Sequence[torch.Tensor], max_unit_elements: int
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    max_unit_elements: int,
+    gpu: bool = True,
 ) -> ModelTrace:
     """Run ``model(*inputs)`` (the loss) and its backward on the meta device under the
-    engine's units of at most ``max_unit_elements`` parameter elements."""
+    engine's units of at most ``max_unit_elements`` parameter elements; ``gpu``: attention
+    as a GPU runs it (else as a CPU does, for the simulated device)."""
     named = list(model.named_parameters())
     params = list(dict.fromkeys(p for _n, p in named))
     names = {}
@@ -296,7 +307,7 @@ def trace_model(
     )
     try:
         with (
-            _FusedAttention(),
+            _FusedAttention(gpu),
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
         ):
             loss = model(*inputs)
