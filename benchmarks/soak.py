@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import chunkmem
 from benchmarks._common import parse_args, print_table, write_results
-from chunkmem.demo import batches, stdlib_text
+from chunkmem.cli.data import batches, stdlib_text
 from chunkmem.models.gpt import GPT, GPTConfig
 
 DEVICE_FRACTION = 0.4

@@ -374,6 +374,17 @@ def _largest_ordinary(numels: list[int]) -> int:
     return max(n for n in numels if n <= mean + 3 * spread)
 
 
+def moment_floor_bytes(
+    chunk_size: int, params: list[torch.nn.Parameter], dtype: torch.dtype, separate_grads: bool
+) -> int:
+    """Device bytes the chunks of one moment can need, before any activations (the floor
+    ``initialize`` checks; ``chunkmem estimate`` reports it too)."""
+    largest = max(max(p.numel() for p in params), chunk_size) * dtype.itemsize
+    # A module's parameters may straddle two chunks; with separate gradients the matching
+    # gradient chunks are on the device in backward too.
+    return 2 * largest * (2 if separate_grads else 1)
+
+
 def _check_capacity(
     capacity: int,
     chunk_size: int,
@@ -383,9 +394,7 @@ def _check_capacity(
 ) -> None:
     """Fail before training when not even the chunks of one moment can fit."""
     largest = max(max(p.numel() for p in params), chunk_size) * dtype.itemsize
-    # A module's parameters may straddle two chunks; with separate gradients the matching
-    # gradient chunks are on the device in backward too.
-    needed = 2 * largest * (2 if separate_grads else 1)
+    needed = moment_floor_bytes(chunk_size, params, dtype, separate_grads)
     if needed > capacity:
         raise CapacityError(
             f"device capacity {capacity:,} bytes is below the {needed:,} bytes the chunks of one "

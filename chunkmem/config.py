@@ -536,9 +536,9 @@ def _move_optimizer_states_key(data: Any) -> Any:
     return data
 
 
-def _section_at(location: tuple[Any, ...]) -> type[BaseModel] | None:
+def _section_at(location: tuple[Any, ...], root: type[BaseModel]) -> type[BaseModel] | None:
     """The model class that owns the key at ``location`` (None if not a model)."""
-    model: type[BaseModel] = Config
+    model = root
     for part in location[:-1]:
         field = model.model_fields.get(str(part))
         annotation = getattr(field, "annotation", None)
@@ -555,15 +555,19 @@ def _is_deepspeed_config(data: dict[str, Any]) -> bool:
 
 
 def describe_validation_error(
-    exc: ValidationError, name: Callable[[str], str] = lambda key: f"config key {key!r}"
+    exc: ValidationError,
+    name: Callable[[str], str] = lambda key: f"config key {key!r}",
+    root: type[BaseModel] | None = None,
 ) -> str:
-    """One line per error, naming the key (as ``name`` spells it), the value and the reason."""
+    """One line per error of validating ``root`` (default :class:`Config`), naming the key
+    (as ``name`` spells it), the value and the reason (for an unknown key, the closest valid
+    one)."""
     lines = []
     for error in exc.errors():
         location = tuple(error["loc"])
         key = ".".join(str(part) for part in location) or "<root>"
         if error["type"] == "extra_forbidden":
-            section = _section_at(location)
+            section = _section_at(location, root or Config)
             valid = sorted(section.model_fields) if section else []
             close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.5)
             hint = f"did you mean {close[0]!r}? " if close else ""

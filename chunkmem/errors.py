@@ -28,6 +28,13 @@ class OutOfMemoryError(ChunkmemError, MemoryError):
         )
 
 
+class NonFiniteError(ChunkmemError, FloatingPointError):
+    """Training cannot make progress on non-finite values (fp16 gradients that overflow even at
+    the minimum loss scale). A single non-finite gradient norm raises the plain
+    ``FloatingPointError`` the engine documents; both are "diverged" to the ``chunkmem``
+    command (exit code 5)."""
+
+
 class IllegalTransitionError(ChunkmemError, RuntimeError):
     """A tensor was moved between states that the transition table forbids."""
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chunkmem.config import LossScaleConfig
-from chunkmem.errors import ChunkmemError
+from chunkmem.errors import NonFiniteError
 
 
 class DynamicLossScaler:
@@ -41,7 +41,7 @@ class DynamicLossScaler:
             at_min = self.scale <= self._config.min_scale
             self._skips_at_min = self._skips_at_min + 1 if at_min else 0
             if self._skips_at_min >= self._config.max_skips_at_min_scale:
-                raise ChunkmemError(
+                raise NonFiniteError(
                     f"fp16 gradients overflowed {self._skips_at_min} steps in a row at the "
                     f"minimum loss scale {self._config.min_scale:g}: no step can be made. The "
                     f"model produces infinite or NaN gradients even unscaled; lower the "

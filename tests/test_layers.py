@@ -2,7 +2,7 @@
 
 kernels/ at the bottom imports nothing of ours; the chunkmem core imports only itself and
 kernels/; zero/ and offload/ sit on the core; report/ reads core data and never the engine;
-the user surface (initialize, the engine, the demo) may import everything. Every import
+the user surface (initialize, the engine, the command) may import everything. Every import
 statement counts, those inside functions too.
 """
 
@@ -20,9 +20,11 @@ OURS = ("chunkmem", "zero", "offload", "kernels")
 USER_SURFACE = (
     "chunkmem.api",
     "chunkmem.engine",
-    "chunkmem.demo",
     "chunkmem.config_reference",
     "chunkmem.checkpoint",
+    "chunkmem.cli",
+    "chunkmem.estimate",
+    "chunkmem.__main__",
 )
 
 

@@ -5,7 +5,15 @@
 read each file is in ``docs/reports.md``. Nothing here imports the engine.
 """
 
+from chunkmem.report.headline import headline
 from chunkmem.report.summary import RunSummary
-from chunkmem.report.writer import FORMATS, write_report
+from chunkmem.report.writer import FORMATS, read_memory_trace, rerender_html, write_report
 
-__all__ = ["FORMATS", "RunSummary", "write_report"]
+__all__ = [
+    "FORMATS",
+    "RunSummary",
+    "headline",
+    "read_memory_trace",
+    "rerender_html",
+    "write_report",
+]

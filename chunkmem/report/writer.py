@@ -19,7 +19,7 @@ from typing import Any
 from chunkmem.errors import ConfigError
 from chunkmem.ledger import Ledger
 from chunkmem.report.html_page import render_html
-from chunkmem.report.memory_trace import build_memory_trace
+from chunkmem.report.memory_trace import SCHEMA, build_memory_trace
 from chunkmem.report.snapshot import build_snapshot
 from chunkmem.report.summary import RunSummary
 
@@ -82,6 +82,31 @@ def write_report(
         filename, render = FORMATS[name]
         written[name] = _write_atomically(directory / filename, render(sources))
     return written
+
+
+def rerender_html(trace_json: Path) -> Path:
+    """Render ``memory_trace.json`` again into the ``memory_trace.html`` beside it (a run's
+    report after a chunkmem upgrade, or one copied from another machine); returns its path.
+    The page is rendered from the document alone, so nothing of the run is needed."""
+    document = read_memory_trace(trace_json)
+    return _write_atomically(
+        trace_json.with_name(FORMATS["html"][0]), render_html(document).encode()
+    )
+
+
+def read_memory_trace(path: Path) -> dict[str, Any]:
+    """A ``memory_trace.json`` document; a file of another schema raises, naming it."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(f"cannot read the memory trace {str(path)!r}: {error}") from None
+    schema = document.get("schema") if isinstance(document, dict) else None
+    if schema != SCHEMA:
+        raise ConfigError(
+            f"{str(path)!r} is not a chunkmem memory trace of schema {SCHEMA!r} (it says "
+            f"{schema!r}); re-render it with the chunkmem version that wrote it"
+        )
+    return document
 
 
 def _write_atomically(path: Path, data: bytes) -> Path:

@@ -1,0 +1,148 @@
+"""``chunkmem estimate``: a run's per-rank memory and wire bytes, without training it.
+
+The model is built on the meta device and traced for one cycle (:mod:`.trace`); the engine's
+own chunk-size search, units and packer lay it out; :mod:`.memory` follows the bytes through
+a steady iteration and :mod:`.wire` counts the collectives. Nothing is allocated, so a
+model of any size is estimated in seconds on a laptop. How close it comes to measured runs:
+``python -m benchmarks.estimate`` (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+
+from chunkmem.api import _ALIGNMENT, _DTYPES, _chunk_size, _states_fit, moment_floor_bytes
+from chunkmem.cli.models import build_model, describe
+from chunkmem.cli.settings import ModelSettings
+from chunkmem.config import Config
+from chunkmem.errors import ConfigError
+from chunkmem.estimate.memory import MemoryEstimate, estimate_memory, pack_layouts
+from chunkmem.estimate.trace import trace_model
+from chunkmem.estimate.wire import WireEstimate, estimate_wire
+
+UNBOUNDED = 1 << 62  # a device capacity that bounds nothing
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A model and config's per-rank bytes, and whether they fit the memory given."""
+
+    model: str
+    parameters: int
+    trainable_parameters: int
+    precision: str
+    zero_stage: int
+    world_size: int
+    node_size: int
+    batch: int
+    seq: int
+    device_capacity: int | None
+    host_capacity: int | None
+    memory: MemoryEstimate
+    wire: WireEstimate
+
+    @property
+    def fits_on_device(self) -> bool | None:
+        """Everything stays on the device, nothing moves (None: no capacity given)."""
+        if self.device_capacity is None:
+            return None
+        host_ok = self.host_capacity is None or self.memory.host_warmup_bytes <= self.host_capacity
+        return self.memory.peak_device_bytes <= self.device_capacity and host_ok
+
+    @property
+    def trains(self) -> bool | None:
+        """It trains, with chunks moving between the device and the host if they must."""
+        if self.device_capacity is None:
+            return None
+        if self.memory.min_device_bytes > self.device_capacity:
+            return False
+        if self.host_capacity is None:
+            return True
+        spill = max(0, self.memory.peak_device_bytes - self.device_capacity)
+        return self.memory.host_warmup_bytes + spill <= self.host_capacity
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["wire"]["intra_node_bytes_per_rank"] = self.wire.intra_node_bytes_per_rank
+        data["fits_on_device"] = self.fits_on_device
+        data["trains"] = self.trains
+        return data
+
+
+def estimate(
+    model: ModelSettings,
+    config: Config,
+    batch: int,
+    world_size: int = 1,
+    node_size: int | None = None,
+    device_capacity: int | None = None,
+    host_capacity: int | None = None,
+    gpu: bool = True,
+) -> Estimate:
+    """Estimate one rank of a run of ``model`` under ``config`` with micro-batches of
+    ``batch`` sequences of ``model.seq`` tokens. ``gpu``: host-side staging of a real device
+    is counted (False: the simulated device, which reads host chunks in place)."""
+    if world_size < 1 or (config.zero.stage == 0 and world_size > 1):
+        raise ConfigError(
+            f"world size {world_size} at ZeRO stage {config.zero.stage}: stage 0 is one "
+            f"process; set zero.stage to 1, 2 or 3 for several ranks"
+        )
+    node_size = node_size or world_size
+    if world_size % node_size:
+        raise ConfigError(f"the node size {node_size} does not divide the world size {world_size}")
+    dtype = _DTYPES[config.precision]
+    with torch.device("meta"):
+        net = build_model(model)
+    net.to(dtype)
+    params = list(dict.fromkeys(net.parameters()))
+    trainable = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    capacity = device_capacity if device_capacity is not None else UNBOUNDED
+    moving = (
+        config.zero.stage > 0
+        or config.offload.optimizer in ("host", "nvme")
+        or not _states_fit(capacity, dtype, trainable, frozen)
+    )
+    choice = _chunk_size(
+        config, capacity, dtype, trainable, frozen, math.lcm(_ALIGNMENT, world_size), moving
+    )
+    unit = config.placement.unit_elements
+    tokens = torch.zeros(batch, model.seq, dtype=torch.long, device="meta")
+    trace = trace_model(net, (tokens, tokens), choice.size if unit == "chunk" else unit, gpu)
+    packed = pack_layouts(params, trace, choice.size, math.lcm(_ALIGNMENT, world_size))
+    memory, gathers = estimate_memory(trace, packed, config, world_size, capacity, gpu)
+    separate_grads = (
+        config.precision == "fp32"
+        or config.gradient_accumulation_steps > 1
+        or config.zero.stage > 0
+    )
+    floor = moment_floor_bytes(choice.size, params, dtype, separate_grads)
+    memory = replace(memory, min_device_bytes=max(memory.min_device_bytes, floor))
+    wire = estimate_wire(
+        packed,
+        config.zero.stage,
+        dtype.itemsize,
+        world_size,
+        node_size,
+        gathers,
+        len(params),
+    )
+    return Estimate(
+        model=describe(model),
+        parameters=sum(p.numel() for p in params),
+        trainable_parameters=sum(p.numel() for p in trainable),
+        precision=config.precision,
+        zero_stage=config.zero.stage,
+        world_size=world_size,
+        node_size=node_size,
+        batch=batch,
+        seq=model.seq,
+        device_capacity=device_capacity,
+        host_capacity=host_capacity,
+        memory=memory,
+        wire=wire,
+    )

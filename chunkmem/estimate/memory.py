@@ -1,0 +1,463 @@
+"""Per-rank bytes on the device, the host and NVMe, from a model trace and the engine's rules.
+
+The chunk size, the units, the packing and the optimizer-state homes come from the engine's
+own functions, so they are the ones a run would get. Bytes over time follow what the engine
+does with them in a steady iteration (every chunk resident, nothing evicted):
+
+- static on the device: parameter chunks (whole, or this rank's shard at ZeRO-3) and the
+  optimizer states homed there (fp32 master in bf16/fp16, two fp32 moments);
+- gradient chunks: in the 16-bit parameter slot (bf16/fp16, one process, no accumulation:
+  nothing extra), else a chunk per layout from its first gradient until the step; under
+  ZeRO-1 reduced before the step, under ZeRO-2/3 reduce-scattered as each layout's gradients
+  are in (two reductions in flight), keeping this rank's shard;
+- gathered copies (ZeRO-3): a layout's whole parameters from its first use in a phase until
+  its last, plus the next moment's, prefetched;
+- activations: the trace's saved tensors, plus each gradient while it is stored;
+- the step: a 1 MiB fp32 workspace per update on the device in bf16/fp16;
+- the first cycle, which records the trace: under ZeRO every gradient chunk and shard at
+  once at the end of its backward.
+
+The peak is the largest sum at any event; the formulas of tests/test_zero.py (model states
+per rank) are what it reduces to at the end of backward.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from chunkmem.chunk import ChunkLayout
+from chunkmem.config import Config
+from chunkmem.estimate.trace import ModelTrace
+from chunkmem.optimizer import WORKSPACE_ELEMENTS
+from chunkmem.packing import Packer
+from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
+from zero.reduce import MAX_REDUCTIONS_IN_FLIGHT
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+ACTIVATIONS = "activations"
+
+
+@dataclass
+class Layouts:
+    """The chunk layouts a run packs, with the parameters in each."""
+
+    chunk_size: int
+    layouts: list[ChunkLayout]
+    layout_of: list[int]  # parameter index -> position in ``layouts``
+
+    @property
+    def trainable(self) -> list[int]:
+        return [i for i, layout in enumerate(self.layouts) if layout.trainable]
+
+
+def pack_layouts(
+    params: list[torch.nn.Parameter], trace: ModelTrace, chunk_size: int, alignment: int
+) -> Layouts:
+    """Pack ``params`` in the trace's first-use order with the engine's packer."""
+    counter = iter(range(1 << 62))
+    packers = {
+        trainable: Packer(chunk_size, trainable, lambda: next(counter), alignment)
+        for trainable in (True, False)
+    }
+    layout_of = [0] * len(params)
+    placed: dict[int, ChunkLayout] = {}
+    for i in trace.pack_order:
+        param = params[i]
+        _slot, layout, _created = packers[param.requires_grad].place(trace.names[i], param)
+        placed[i] = layout
+    layouts = sorted(
+        {id(layout): layout for layout in placed.values()}.values(), key=lambda layout: layout.index
+    )
+    position = {id(layout): k for k, layout in enumerate(layouts)}
+    for i, layout in placed.items():
+        layout_of[i] = position[id(layout)]
+    return Layouts(chunk_size, layouts, layout_of)
+
+
+@dataclass
+class _Device:
+    """Bytes on the device by kind, and the largest total seen, with what made it."""
+
+    by_kind: Counter[str] = field(default_factory=Counter)
+    peak: int = 0
+    peak_at: str = ""
+    peak_by_kind: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int, label: str) -> None:
+        self.by_kind[kind] += nbytes
+        self.consider(self.by_kind, label)
+
+    def consider(self, by_kind: Counter[str], label: str) -> None:
+        total = sum(by_kind.values())
+        if total > self.peak:
+            self.peak = total
+            self.peak_at = label
+            self.peak_by_kind = {k: v for k, v in by_kind.items() if v}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """One rank's bytes (see the module docstring for what each counts)."""
+
+    peak_device_bytes: int
+    peak_device_at: str  # the moment of the peak, as the report names moments
+    device_bytes_at_peak: dict[str, int]  # by chunk kind, plus activations
+    activation_peak_bytes: int
+    min_device_bytes: int  # the smallest device that trains (chunks moving every step)
+    host_bytes: int
+    host_warmup_bytes: int
+    nvme_bytes: int
+    state_homes: dict[str, int]  # chunk groups per tier
+    chunk_size: int
+    layouts: int
+    padding_elements: int
+    elements_per_rank: int
+
+
+class _Simulation:
+    """The device over one optimizer step of a steady iteration (accumulation included)."""
+
+    def __init__(
+        self,
+        trace: ModelTrace,
+        packed: Layouts,
+        config: Config,
+        world_size: int,
+        states_on_device: bool = True,
+    ) -> None:
+        self.trace = trace
+        self.states_on_device = states_on_device
+        self.packed = packed
+        self.config = config
+        self.world = world_size
+        self.stage = config.zero.stage
+        self.mixed = config.precision != "fp32"
+        self.itemsize = _DTYPES[config.precision].itemsize
+        self.accumulation = config.gradient_accumulation_steps
+        self.separate_grads = not self.mixed or self.accumulation > 1 or self.stage > 0
+        self.device = _Device()
+        self.unit_layouts = [
+            sorted({packed.layout_of[p] for p in params}) for params in trace.unit_params
+        ]
+        self.moments = [(e[1], e[2]) for e in trace.events if e[0] == "moment"]
+        self.expected = Counter(packed.layout_of[e[1]] for e in trace.events if e[0] == "grad")
+        self.gathers: Counter[int] = Counter()  # all-gathers per layout in the step (ZeRO-3)
+
+    # sizes
+    def capacity(self, layout: int) -> int:
+        return self.packed.layouts[layout].capacity
+
+    def shard(self, layout: int) -> int:
+        return self.capacity(layout) // self.world
+
+    def state_elements(self, layout: int) -> int:
+        return self.shard(layout) if self.stage else self.capacity(layout)
+
+    def param_bytes(self) -> int:
+        return sum(
+            (self.shard(i) if self.stage == 3 else self.capacity(i)) * self.itemsize
+            for i in range(len(self.packed.layouts))
+        )
+
+    def label(self, moment: int) -> str:
+        if moment < 0:
+            return "start"
+        phase, unit = self.moments[moment]
+        return f"{phase}:{self.trace.unit_labels[unit]}"
+
+    # the iteration
+    def run(self, state_bytes_on_device: int) -> None:
+        device = self.device
+        device.add("param", self.param_bytes(), "start")
+        device.add("optimizer states", state_bytes_on_device, "start")
+        grads: set[int] = set()
+        for micro in range(self.accumulation):
+            self._micro_batch(grads, final=micro == self.accumulation - 1)
+        self._step(grads)
+
+    def _micro_batch(self, grads: set[int], final: bool) -> None:
+        device, trace = self.device, self.trace
+        gathered: set[int] = set()
+        deferred: set[int] = set()
+        arrived: Counter[int] = Counter()
+        launched: list[int] = []  # reductions in flight, oldest first
+        reduced: set[int] = set()
+        overlap = self.stage >= 2 and final
+        moment = -1
+        for event in trace.events:
+            kind = event[0]
+            label = self.label(moment)
+            if kind == "act":
+                device.add(ACTIVATIONS, event[1], label)
+            elif kind == "moment":
+                for layout in sorted(deferred):
+                    if not self._needed_again(moment, layout):
+                        self._drop(gathered, layout, label)
+                deferred.clear()
+                moment += 1
+                label = self.label(moment)
+                if self.stage == 3:
+                    for layout in self.unit_layouts[event[2]]:
+                        self._gather(gathered, layout, label)
+                    if moment + 1 < len(self.moments):
+                        for layout in self.unit_layouts[self.moments[moment + 1][1]]:
+                            self._gather(gathered, layout, label)
+            elif kind == "release" and self.stage == 3:
+                for layout in self.unit_layouts[event[2]]:
+                    if event[1] == "bwd":
+                        deferred.add(layout)  # pinned by unpacked saved views until the next moment
+                    elif not self._needed_again(moment, layout):
+                        self._drop(gathered, layout, label)
+            elif kind == "grad":
+                layout = self.packed.layout_of[event[1]]
+                in_flight = event[2]
+                device.add(ACTIVATIONS, in_flight, label)
+                if self.separate_grads and layout not in grads:
+                    grads.add(layout)
+                    device.add("grad", self.capacity(layout) * self.itemsize, label)
+                device.add(ACTIVATIONS, -in_flight, label)
+                arrived[layout] += 1
+                if overlap:
+                    self._launch_complete(grads, arrived, launched, reduced, label)
+            elif kind == "end":
+                for layout in sorted(deferred):
+                    self._drop(gathered, layout, label)
+                if overlap:
+                    for layout in reversed(self.packed.trainable):
+                        if layout not in reduced:
+                            self._launch(grads, launched, reduced, layout, label)
+                    while launched:
+                        self._complete(grads, launched.pop(0), label)
+        for layout in sorted(gathered):
+            self._drop(gathered, layout, "step")
+
+    def _needed_again(self, moment: int, layout: int) -> bool:
+        """Whether a later moment of the same phase run uses ``layout`` (the tracer's rule)."""
+        phase = self.moments[moment][0]
+        for later in range(moment + 1, len(self.moments)):
+            if self.moments[later][0] != phase:
+                return False
+            if layout in self.unit_layouts[self.moments[later][1]]:
+                return True
+        return False
+
+    def _gather(self, gathered: set[int], layout: int, label: str) -> None:
+        if layout not in gathered:
+            gathered.add(layout)
+            self.gathers[layout] += 1
+            self.device.add("gathered", self.capacity(layout) * self.itemsize, label)
+
+    def _drop(self, gathered: set[int], layout: int, label: str) -> None:
+        if layout in gathered:
+            gathered.discard(layout)
+            self.device.add("gathered", -self.capacity(layout) * self.itemsize, label)
+
+    def _launch_complete(self, grads, arrived, launched, reduced, label: str) -> None:
+        """ZeRO-2/3: reduce the layouts whose gradients are all in, last packed first."""
+        for layout in reversed(self.packed.trainable):
+            if layout in reduced:
+                continue
+            if arrived[layout] < self.expected[layout]:
+                return
+            self._launch(grads, launched, reduced, layout, label)
+            while len(launched) > MAX_REDUCTIONS_IN_FLIGHT:
+                self._complete(grads, launched.pop(0), label)
+
+    def _launch(self, grads, launched, reduced, layout: int, label: str) -> None:
+        if layout not in grads:  # reduced without gradients: zeros, from a fresh chunk
+            grads.add(layout)
+            self.device.add("grad", self.capacity(layout) * self.itemsize, label)
+        self.device.add("grad_shard", self.shard(layout) * self.itemsize, label)
+        launched.append(layout)
+        reduced.add(layout)
+
+    def _complete(self, grads: set[int], layout: int, label: str) -> None:
+        grads.discard(layout)
+        self.device.add("grad", -self.capacity(layout) * self.itemsize, label)
+
+    def first_cycle(self) -> None:
+        """The first cycle records the trace: under ZeRO it cannot overlap reductions with
+        backward (it learns which gradients to expect), so every layout is reduced after
+        it, all gradient chunks and shards pinned at once, while nothing else need stay."""
+        if self.stage == 0:
+            return
+        trainable = self.packed.trainable
+        grads = sum(self.capacity(i) for i in trainable) * self.itemsize
+        shards = sum(self.shard(i) for i in trainable) * self.itemsize
+        self.device.consider(
+            Counter({"grad": grads, "grad_shard": shards}), "end of the first backward"
+        )
+
+    def _step(self, grads: set[int]) -> None:
+        device = self.device
+        if self.stage == 1:  # reduce-scatter every layout before the step
+            launched: list[int] = []
+            reduced: set[int] = set()
+            for layout in reversed(self.packed.trainable):
+                self._launch(grads, launched, reduced, layout, "step")
+            for layout in launched:
+                self._complete(grads, layout, "step")
+        if self.mixed and self.states_on_device:
+            largest = max(self.state_elements(i) for i in self.packed.trainable)
+            workspace = min(largest, WORKSPACE_ELEMENTS) * 4
+            device.add("workspace", workspace, "step")
+            device.add("workspace", -workspace, "step")
+
+
+def activation_peak(trace: ModelTrace) -> int:
+    """The largest non-model bytes of the cycle: saved tensors plus a gradient being stored."""
+    saved, peak = 0, 0
+    for event in trace.events:
+        if event[0] == "act":
+            saved += event[1]
+            peak = max(peak, saved)
+        elif event[0] == "grad":
+            peak = max(peak, saved + event[2])
+    return peak
+
+
+def state_bytes_per_element(config: Config, on_device: bool) -> int:
+    """fp32 master (bf16/fp16 only) and two moments, in the dtype of their home."""
+    moments = 4 if on_device or config.offload.state_dtype == "fp32" else 2
+    return (4 if config.precision != "fp32" else 0) + 2 * moments
+
+
+def estimate_memory(
+    trace: ModelTrace,
+    packed: Layouts,
+    config: Config,
+    world_size: int,
+    capacity: int,
+    gpu: bool,
+) -> tuple[MemoryEstimate, Counter[int]]:
+    """One rank's bytes, and the all-gathers of each layout in a step (ZeRO-3).
+    ``capacity`` is the device's; ``gpu`` whether updates on the host stage gradients through
+    host buffers (a real device) or read them in place (the simulated one)."""
+    probe = _Simulation(trace, packed, config, world_size)
+    trainable = packed.trainable
+    elements = [probe.state_elements(i) for i in trainable]
+    homes = _state_homes(probe, config, capacity, elements)
+    on_device = [i for i, home in zip(trainable, homes, strict=True) if home == "device"]
+    sim = _Simulation(trace, packed, config, world_size, states_on_device=bool(on_device))
+    device_state = sum(sim.state_elements(i) for i in on_device) * state_bytes_per_element(
+        config, on_device=True
+    )
+    sim.run(device_state)
+    sim.first_cycle()
+    host_state = sum(
+        n * state_bytes_per_element(config, on_device=False)
+        for n, home in zip(elements, homes, strict=True)
+        if home == "host"
+    )
+    nvme = sum(
+        n * state_bytes_per_element(config, on_device=False)
+        for n, home in zip(elements, homes, strict=True)
+        if home == "nvme"
+    )
+    host = host_state + _host_workspace(config, sim, homes, gpu)
+    device = sim.device
+    estimate = MemoryEstimate(
+        peak_device_bytes=device.peak,
+        peak_device_at=device.peak_at,
+        device_bytes_at_peak=device.peak_by_kind,
+        activation_peak_bytes=activation_peak(trace),
+        min_device_bytes=_min_device(sim),
+        host_bytes=host,
+        host_warmup_bytes=max(host, _warmup_host(sim, config)),
+        nvme_bytes=nvme,
+        state_homes=dict(Counter(homes)),
+        chunk_size=packed.chunk_size,
+        layouts=len(packed.layouts),
+        padding_elements=sum(layout.padding for layout in packed.layouts),
+        elements_per_rank=sum(elements),
+    )
+    return estimate, sim.gathers
+
+
+def _state_homes(sim: _Simulation, config: Config, capacity: int, elements: list[int]) -> list[str]:
+    """Each trainable layout's optimizer-state home, by ``OptimizerStates.place``'s rule."""
+    offload = config.offload
+    offloaded = 0
+    if offload.optimizer in ("host", "nvme"):
+        offloaded = offloaded_group_count(elements, offload.optimizer_ratio)
+    rest = len(elements) - offloaded
+    # What placement counts beside the states: the first (recording) cycle's non-model peak
+    # (activations and a gradient being stored), and the dynamic chunks that exist then.
+    nonmodel_peak = activation_peak(sim.trace)
+    dynamic = sim.param_bytes()
+    if sim.separate_grads and sim.stage < 2:
+        dynamic += sum(sim.capacity(i) for i in sim.packed.trainable) * sim.itemsize
+    if sim.stage >= 1:
+        dynamic += sum(sim.shard(i) for i in sim.packed.trainable) * sim.itemsize
+    if sim.stage >= 2:
+        largest = max(layout.capacity for layout in sim.packed.layouts)
+        dynamic += 2 * largest * sim.itemsize
+    per_element = 8 + (4 if sim.mixed else 0)
+    on_device = optimizer_state_device_groups(
+        capacity,
+        nonmodel_peak,
+        dynamic,
+        [n * per_element for n in elements[:rest]],
+        "device" if offload.optimizer == "device" else "auto",
+    )
+    offloaded_home = offload.optimizer if offload.optimizer in ("host", "nvme") else "host"
+    return [
+        offloaded_home if position >= rest else "device" if position < on_device else "host"
+        for position in range(len(elements))
+    ]
+
+
+def _host_workspace(config: Config, sim: _Simulation, homes: list[str], gpu: bool) -> int:
+    """Host buffers an update on the host needs at once: the NVMe tier's staging buffers and
+    the states of two groups read in (one updating, one read ahead); on a GPU, the gradients
+    staged down and the values staged up for the layout being updated."""
+    total = 0
+    groups = [sim.state_elements(i) for i in sim.packed.trainable]
+    if "nvme" in homes:
+        nvme = config.offload.nvme
+        total += (nvme.io_threads + 4) * nvme.block_size
+        total += 2 * max(groups) * state_bytes_per_element(config, on_device=False)
+    if gpu and any(home != "device" for home in homes):
+        total += max(groups) * 2 * sim.itemsize
+    return total
+
+
+def _warmup_host(sim: _Simulation, config: Config) -> int:
+    """The host during the first (recording) cycle, whose chunk budget is zero: parameters
+    and gradients wait on the host between uses, and fp32 masters live there until the
+    first step gives them their home."""
+    param = sim.param_bytes()
+    grads = (
+        sum(sim.capacity(i) for i in sim.packed.trainable) * sim.itemsize
+        if sim.separate_grads
+        else 0
+    )
+    masters = sum(sim.state_elements(i) for i in sim.packed.trainable) * 4 if sim.mixed else 0
+    return param + grads + masters
+
+
+def _min_device(sim: _Simulation) -> int:
+    """The smallest device a run trains on with chunks moving: at each moment its own chunks
+    (whole, and their gradient chunks in backward), the next moment's gathered copies at
+    ZeRO-3, and the activations then (before any optimizer state is on the device)."""
+    activations = 0
+    worst = 0
+    moment_chunks = 0
+    moment = -1
+    for event in sim.trace.events:
+        if event[0] == "act":
+            activations += event[1]
+        elif event[0] == "moment":
+            moment += 1
+            layouts = set(sim.unit_layouts[event[2]])
+            if sim.stage == 3 and moment + 1 < len(sim.moments):
+                layouts |= set(sim.unit_layouts[sim.moments[moment + 1][1]])
+            moment_chunks = sum(sim.capacity(i) for i in layouts) * sim.itemsize
+            if event[1] == "bwd" and sim.separate_grads:
+                moment_chunks *= 2
+        worst = max(worst, moment_chunks + activations)
+    return math.ceil(worst)
