@@ -14,8 +14,8 @@ does with them in a steady iteration (every chunk resident, nothing evicted):
   its last, plus the next moment's, prefetched;
 - activations: the trace's saved tensors, plus each gradient while it is stored;
 - the step: a 1 MiB fp32 workspace per update on the device in bf16/fp16;
-- the first cycle, which records the trace: under ZeRO every gradient chunk and shard at
-  once at the end of its backward.
+- the first cycle, which records the trace: under ZeRO every gradient chunk at once at the
+  end of its backward, reduced from there two at a time.
 
 The peak is the largest sum at any event; the formulas of tests/test_zero.py (model states
 per rank) are what it reduces to at the end of backward.
@@ -227,11 +227,7 @@ class _Simulation:
                 for layout in sorted(deferred):
                     self._drop(gathered, layout, label)
                 if overlap:
-                    for layout in reversed(self.packed.trainable):
-                        if layout not in reduced:
-                            self._launch(grads, launched, reduced, layout, label)
-                    while launched:
-                        self._complete(grads, launched.pop(0), label)
+                    self._reduce_remaining(grads, launched, reduced, label)
         for layout in sorted(gathered):
             self._drop(gathered, layout, "step")
 
@@ -275,6 +271,17 @@ class _Simulation:
         launched.append(layout)
         reduced.add(layout)
 
+    def _reduce_remaining(self, grads, launched, reduced, label: str) -> None:
+        """Reduce every layout not reduced yet, last packed first, at most
+        ``MAX_REDUCTIONS_IN_FLIGHT`` at once, then wait for all (``reduce_remaining``)."""
+        for layout in reversed(self.packed.trainable):
+            if layout not in reduced:
+                self._launch(grads, launched, reduced, layout, label)
+                while len(launched) > MAX_REDUCTIONS_IN_FLIGHT:
+                    self._complete(grads, launched.pop(0), label)
+        while launched:
+            self._complete(grads, launched.pop(0), label)
+
     def _complete(self, grads: set[int], layout: int, label: str) -> None:
         grads.discard(layout)
         self.device.add("grad", -self.capacity(layout) * self.itemsize, label)
@@ -282,25 +289,25 @@ class _Simulation:
     def first_cycle(self) -> None:
         """The first cycle records the trace: under ZeRO it cannot overlap reductions with
         backward (it learns which gradients to expect), so every layout is reduced after
-        it, all gradient chunks and shards pinned at once, while nothing else need stay."""
+        it: every gradient chunk is there when the reductions start, while nothing else need
+        stay."""
         if self.stage == 0:
             return
-        trainable = self.packed.trainable
-        grads = sum(self.capacity(i) for i in trainable) * self.itemsize
-        shards = sum(self.shard(i) for i in trainable) * self.itemsize
-        self.device.consider(
-            Counter({"grad": grads, "grad_shard": shards}), "end of the first backward"
-        )
+        steady, self.device = self.device, _Device()
+        try:
+            grads = set(self.packed.trainable)
+            total = sum(self.capacity(i) for i in grads) * self.itemsize
+            self.device.add("grad", total, "end of the first backward")
+            self._reduce_remaining(grads, [], set(), "end of the first backward")
+            first = self.device
+        finally:
+            self.device = steady
+        steady.consider(Counter(first.peak_by_kind), first.peak_at)
 
     def _step(self, grads: set[int]) -> None:
         device = self.device
         if self.stage == 1:  # reduce-scatter every layout before the step
-            launched: list[int] = []
-            reduced: set[int] = set()
-            for layout in reversed(self.packed.trainable):
-                self._launch(grads, launched, reduced, layout, "step")
-            for layout in launched:
-                self._complete(grads, layout, "step")
+            self._reduce_remaining(grads, [], set(), "step")
         if self.mixed and self.states_on_device:
             largest = max(self.state_elements(i) for i in self.packed.trainable)
             workspace = min(largest, WORKSPACE_ELEMENTS) * 4
