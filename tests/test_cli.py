@@ -201,6 +201,8 @@ def test_train_checkpoints_resumes_reports_and_consolidates(
     assert main(["report", str(run), "--json"]) == ExitCode.OK
     report = json.loads(capsys.readouterr().out)
     assert (run / "report" / "memory_trace.html").is_file()
+    png = run / "report" / "memory_trace.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and report["reports"][0]["png"] == str(png)
     assert report["reports"][0]["global_steps"] == 8
     assert report["training"]["steps"] == 8
 

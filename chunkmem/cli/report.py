@@ -1,9 +1,9 @@
 """``chunkmem report RUN_DIR``: re-render a run's memory-trace pages, print its headline.
 
 Every ``memory_trace.json`` under RUN_DIR (one per rank) is rendered again into its HTML
-page, and its headline numbers are printed, with the loss and throughput of the run's
-``metrics.jsonl`` when ``chunkmem train`` wrote one. A PNG summary needs a plotting library;
-none is a dependency of chunkmem, so none is written (docs/cli.md).
+page and a PNG summary beside it (``chunkmem.report.png``), and its headline numbers are
+printed, with the loss and throughput of the run's ``metrics.jsonl`` when ``chunkmem train``
+wrote one (docs/cli.md).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from chunkmem.cli.exit_codes import ExitCode
 from chunkmem.errors import ConfigError
 from chunkmem.report import headline, read_memory_trace, rerender_html
+from chunkmem.report.png import write_png
 
 TRACE = "memory_trace.json"
 
@@ -31,9 +32,12 @@ def run_report(run_dir: Path, as_json: bool) -> int:
         )
     reports = []
     for trace in traces:
-        numbers = headline(read_memory_trace(trace))
+        document = read_memory_trace(trace)
         html = rerender_html(trace)
-        reports.append({"trace": str(trace), "html": str(html), **numbers})
+        png = write_png(document, trace.with_suffix(".png"))
+        reports.append(
+            {"trace": str(trace), "html": str(html), "png": str(png), **headline(document)}
+        )
     metrics = training_metrics(run_dir / "metrics.jsonl") if run_dir.is_dir() else None
     if as_json:
         print(json.dumps({"reports": reports, "training": metrics}, indent=1))
@@ -104,11 +108,11 @@ def render(reports: list[dict[str, Any]], metrics: dict[str, Any] | None) -> str
                 else ", ".join(f"{tier} {n}" for tier, n in homes.items())
             ),
             f"  html (re-rendered): {report['html']}",
+            f"  png summary: {report['png']}",
         ]
     if metrics is not None:
         lines.append(
             f"training: {metrics['steps']:,} steps, last loss {metrics['last_loss']:.4f}, "
             f"median {metrics['median_tokens_per_s']:,.0f} tokens/s"
         )
-    lines.append("PNG summary: not written (no plotting library is a chunkmem dependency)")
     return "\n".join(lines)
