@@ -166,10 +166,10 @@ def _random_batches(spec: dict, config, rank: int):
 
 
 def _text_batches(spec: dict, rank: int):
-    """Each rank's slice of a global batch of the stdlib text (chunkmem.demo's loader)."""
+    """Each rank's slice of a global batch of the stdlib text (chunkmem train's loader)."""
     import torch
 
-    from chunkmem.demo import stdlib_text
+    from chunkmem.cli.data import stdlib_text
 
     data = torch.tensor(list(stdlib_text(4_000_000)), dtype=torch.long)
     seq, local = spec["seq"], spec["local_batch"]

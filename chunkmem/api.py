@@ -19,9 +19,10 @@ from chunkmem.engine import Engine, engine_of
 from chunkmem.errors import CapacityError, ConfigError
 from chunkmem.grads import GradStore
 from chunkmem.hooks import ModuleHooks
+from chunkmem.layout_update import native_host_optimizer
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.manager import ChunkManager
-from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer, native_host_optimizer
+from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.packing import ChunkSizeChoice, padding_for, search_chunk_size
 from chunkmem.params import ParamStore

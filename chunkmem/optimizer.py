@@ -23,51 +23,21 @@ and runs it on a host thread; ``step`` finishes those and updates the others.
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
-from types import ModuleType
 from typing import Any
 
 import torch
 
-from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.chunk import ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.errors import ConfigError
+from chunkmem.layout_update import LayoutUpdate, Piece, UpdateBuilder, owned_pieces
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer_states import OptimizerStates
-from chunkmem.sharding import Waitable
-from chunkmem.tiers import StorageTier
 from chunkmem.tracer import Moment, Phase
-from kernels import host_optim
-from kernels._build import BuildError
 
-_log = logging.getLogger("chunkmem")
-
-# fp32 elements of gradient cast at once in bf16/fp16 training (the fused kernel needs fp32
-# gradients for fp32 masters): 1 MiB of workspace whatever the chunk size, so a large chunk
-# does not need a large transient buffer on a nearly full tier.
-WORKSPACE_ELEMENTS = 1 << 18
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
-
-
-@functools.cache
-def native_host_optimizer() -> ModuleType | None:
-    """:mod:`kernels.host_optim` once its library is built and loaded, else None: the reason
-    is logged once, and host updates run torch's fused kernel."""
-    try:
-        host_optim.load_library()
-    except BuildError as error:
-        _log.warning(
-            "the native host optimizer cannot be used (%s): optimizer states on the host are "
-            "updated with torch's fused kernel, and bf16/fp16 steps there take three passes "
-            "over memory instead of one",
-            error,
-        )
-        return None
-    return host_optim
 
 
 def groups_from_torch_optimizer(
@@ -110,58 +80,6 @@ def groups_from_torch_optimizer(
     return groups, params, decoupled
 
 
-class LayoutUpdate:
-    """One layout's update, prepared and finished on the engine's thread; ``run`` may be
-    called on any thread (see [Note: an update in three parts])."""
-
-    def __init__(
-        self,
-        adam: ChunkAdam,
-        layout: ChunkLayout,
-        slots: list[TensorSlot],
-        stack: contextlib.ExitStack,
-        calls: list[Callable[[], None]],
-        after: list[Callable[[], None]],
-        reads: list[Waitable],
-    ) -> None:
-        self.layout = layout
-        self.slot_ids = {id(slot) for slot in slots}
-        self.pending: Future | None = None  # the run, when another thread does it
-        self.finished = False
-        self.grad_norms: list[torch.Tensor] = []  # of an early update, for the step's check
-        self._adam = adam
-        self._stack = stack
-        self._calls = calls
-        self._after = after
-        self._reads = reads
-
-    def run(self) -> None:
-        for read in self._reads:
-            read.wait()
-        self._adam._update(self._calls)
-
-    def wait(self) -> None:
-        """Until a run on another thread is done; raises what it raised."""
-        if self.pending is not None:
-            self.pending.result()
-
-    def finish(self, completed: bool = True) -> None:
-        """After a completed run, copy new values where they live; release the chunks
-        (writing states back to their home); rebind the parameters."""
-        if self.finished:
-            return
-        self.finished = True
-        if completed:
-            for after in self._after:
-                after()
-        self._stack.close()
-        if completed:
-            for slot in self.layout.slots:
-                if id(slot) in self.slot_ids:
-                    slot.grad_in_param_slot = False
-            self._adam.manager.binder.bind_layout(self.layout)
-
-
 class ChunkAdam:
     """Adam/AdamW whose parameters, masters and moments live in chunks.
 
@@ -190,25 +108,19 @@ class ChunkAdam:
         self.sharding = states.sharding
         self.param_groups = param_groups
         self.group_of = group_of
-        self.decoupled = decoupled_weight_decay
-        self.host_threads = host_threads
-        self.step_counts: dict[TensorSlot, torch.Tensor] = {}
+        self.decoupled = decoupled_weight_decay  # AdamW (recorded in checkpoints)
+        self.updates = UpdateBuilder(
+            manager, states, param_groups, group_of, decoupled_weight_decay, host_threads
+        )
         # Layouts whose update began in this cycle (in backward too), counted first so that
         # a half update counts; reset when the step ends, and by an abort's cancel.
         self.layouts_updated = 0
         self.launched: dict[int, LayoutUpdate] = {}  # layout index -> update begun early
 
-    def _step_tensor(self, slot: TensorSlot, device: torch.device) -> torch.Tensor:
-        counter = self.step_counts.get(slot)
-        if counter is None or counter.device != device:
-            previous = 0.0 if counter is None else float(counter)
-            counter = torch.tensor(previous, dtype=torch.float32, device=device)
-            self.step_counts[slot] = counter
-        return counter
-
-    def host_kernels(self) -> ModuleType | None:
-        """The native host optimizer, or None where it cannot be built (torch's kernel)."""
-        return native_host_optimizer()
+    @property
+    def step_counts(self) -> dict[TensorSlot, torch.Tensor]:
+        """Each parameter's Adam step count (checkpoints read and restore them)."""
+        return self.updates.step_counts
 
     def step(self, grad_divisor: float) -> None:
         """Update every parameter that has a gradient, finishing the updates begun in
@@ -232,7 +144,7 @@ class ChunkAdam:
                 if pieces:
                     if early is None:
                         self.layouts_updated += 1
-                    update = self.prepare(layout, pieces, divisor)
+                    update = self.updates.prepare(layout, pieces, divisor)
                     if position + 1 < len(layouts):
                         self.states.prefetch(layouts[position + 1])
                     try:
@@ -256,14 +168,16 @@ class ChunkAdam:
         the update is not a native host one: the step does it in order."""
         if self.states.homes is None or layout.index in self.launched:
             return False
-        if self.states.work_tier(layout).compute or self.host_kernels() is None:
+        if self.states.work_tier(layout).compute or self.updates.host_kernels() is None:
             return False
         pieces = owned_pieces(layout, self.states.state_span(layout))
         if not pieces:
             return False
         # The step's norm check needs these gradients, which the early update consumes.
         norms = self._piece_norms(pieces)
-        update = self.prepare(layout, pieces, float(self.sharding.world_size), defer_reads=True)
+        update = self.updates.prepare(
+            layout, pieces, float(self.sharding.world_size), defer_reads=True
+        )
         update.grad_norms = norms
         self.layouts_updated += 1
         self.launched[layout.index] = update
@@ -301,248 +215,6 @@ class ChunkAdam:
                 error = error or exc
         if error is not None:
             raise error
-
-    # ------------------------------------------------------------------ one layout
-    def prepare(
-        self,
-        layout: ChunkLayout,
-        pieces: list[Piece],
-        divisor: float,
-        defer_reads: bool = False,
-    ) -> LayoutUpdate:
-        """Chunks ready and pinned on the work tier, step counts advanced, kernel calls
-        built. ``defer_reads``: states still being read from their home are waited for in
-        ``run`` (on its thread), not here."""
-        stack = contextlib.ExitStack()
-        reads: list[Waitable] = []
-        try:
-            chunks = stack.enter_context(
-                self.states.update_chunks(layout, reads if defer_reads else None)
-            )
-            work = self.states.work_tier(layout)
-            device = chunks[ChunkKind.EXP_AVG].payload.device  # type: ignore[union-attr]
-            slots = list(dict.fromkeys(slot for slot, _lo, _hi in pieces))
-            steps = [self._step_tensor(s, device) for s in slots]
-            torch._foreach_add_(steps, 1)
-            step_of = dict(zip(map(id, slots), steps, strict=True))
-            grad_scale = (
-                None
-                if divisor == 1.0
-                else torch.tensor(divisor, dtype=torch.float32, device=device)
-            )
-            kernels = None if work.compute else self.host_kernels()
-            if kernels is None:
-                calls = [
-                    functools.partial(
-                        self._torch_update, chunks, pieces, slots, step_of, grad_scale, work
-                    )
-                ]
-                after = []
-            else:
-                calls, after = self._host_calls(
-                    kernels, chunks, pieces, step_of, grad_scale, work, stack
-                )
-        except BaseException:
-            stack.close()
-            raise
-        return LayoutUpdate(self, layout, slots, stack, calls, after, reads)
-
-    def _update(self, calls: list[Callable[[], None]]) -> None:
-        """Run one layout's kernel calls."""
-        for call in calls:
-            call()
-
-    def _host_calls(
-        self,
-        kernels: ModuleType,
-        chunks: dict[ChunkKind, Chunk],
-        pieces: list[Piece],
-        step_of: dict[int, torch.Tensor],
-        grad_scale: torch.Tensor | None,
-        work: StorageTier,
-        stack: contextlib.ExitStack,
-    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
-        """The native kernel calls of a layout updated in host memory, one per parameter
-        group, and what ``finish`` does after them. With fp32 masters it is one pass from the
-        16-bit gradients to the 16-bit parameters, through host buffers where those live on a
-        GPU; pieces are passed whole, so the bits are torch's fused kernel's on them."""
-        grad_source = self.grads.reducer.grad_source
-        sources = [grad_source(s) for s, _lo, _hi in pieces]
-        grads = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
-        mixed = ChunkKind.MASTER in chunks
-        params = spans(chunks[ChunkKind.MASTER if mixed else ChunkKind.PARAM], pieces)
-        outs = spans(chunks[ChunkKind.PARAM], pieces) if mixed else None
-        sizes = [hi - lo for _s, lo, hi in pieces]
-        protect = {c.id for c in chunks.values()}
-        after: list[Callable[[], None]] = []
-        if grads[0].device.type != "cpu":  # a GPU's gradients, copied down
-            staged = self._host_buffers(stack, sizes, grads[0].dtype, work, protect)
-            torch._foreach_copy_(staged, grads)
-            grads = staged
-        if outs is not None and outs[0].device.type != "cpu":  # values copied up after
-            host_outs = self._host_buffers(stack, sizes, outs[0].dtype, work, protect)
-            after.append(functools.partial(torch._foreach_copy_, outs, host_outs))
-            outs = host_outs
-        if mixed:  # fp32 training moved its chunks to the host: the residency accounted it
-            param = chunks[ChunkKind.PARAM]
-            after.append(functools.partial(self._account_stream, sources, sizes, work, True))
-            after.append(
-                functools.partial(self._account_stream, [param] * len(pieces), sizes, work, False)
-            )
-        exp_avgs = spans(chunks[ChunkKind.EXP_AVG], pieces)
-        exp_avg_sqs = spans(chunks[ChunkKind.EXP_AVG_SQ], pieces)
-        kernel = kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
-        calls: list[Callable[[], None]] = []
-        for group_index, positions in self._by_group([s for s, _lo, _hi in pieces]).items():
-            calls.append(
-                functools.partial(
-                    kernel,
-                    [params[i] for i in positions],
-                    [grads[i] for i in positions],
-                    [exp_avgs[i] for i in positions],
-                    [exp_avg_sqs[i] for i in positions],
-                    [],
-                    [step_of[id(pieces[i][0])] for i in positions],
-                    **self._hyper_parameters(group_index),
-                    grad_scale=grad_scale,
-                    params_out=None if outs is None else [outs[i] for i in positions],
-                    num_threads=self.host_threads,
-                )
-            )
-        return calls, after
-
-    def _host_buffers(
-        self,
-        stack: contextlib.ExitStack,
-        sizes: list[int],
-        dtype: torch.dtype,
-        work: StorageTier,
-        protect: set[int],
-    ) -> list[torch.Tensor]:
-        buffer = stack.enter_context(
-            self.residency.workspace(sum(sizes), dtype, work, protect, within="capacity")
-        )
-        return list(torch.split(buffer, sizes))
-
-    def _torch_update(
-        self,
-        chunks: dict[ChunkKind, Chunk],
-        pieces: list[Piece],
-        slots: list[TensorSlot],
-        step_of: dict[int, torch.Tensor],
-        grad_scale: torch.Tensor | None,
-        home: StorageTier,
-    ) -> None:
-        """torch's fused kernel where the states live: on the device, or on the host when the
-        native library is missing. Runs on the engine's thread (it takes workspaces)."""
-        if ChunkKind.MASTER in chunks:
-            self._step_mixed(chunks, pieces, step_of, grad_scale, home)
-        elif all(hi - lo == s.numel for s, lo, hi in pieces) and chunks[ChunkKind.EXP_AVG].is_whole:
-            self._fused(  # whole slots of whole chunks: cached views, no slicing
-                slots,
-                chunks[ChunkKind.PARAM].views(slots),
-                self.grads.views(slots),
-                chunks[ChunkKind.EXP_AVG].views(slots),
-                chunks[ChunkKind.EXP_AVG_SQ].views(slots),
-                [step_of[id(s)] for s in slots],
-                grad_scale,
-            )
-        else:
-            self._fused(
-                [slot for slot, _lo, _hi in pieces],
-                spans(chunks[ChunkKind.PARAM], pieces),
-                [self.grads.reducer.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces],
-                spans(chunks[ChunkKind.EXP_AVG], pieces),
-                spans(chunks[ChunkKind.EXP_AVG_SQ], pieces),
-                [step_of[id(s)] for s, _lo, _hi in pieces],
-                grad_scale,
-            )
-
-    def _step_mixed(self, chunks, pieces, step_of, grad_scale, home: StorageTier) -> None:
-        """fp32 masters: cast gradients to fp32 a workspace at a time, update, write back."""
-        total = sum(hi - lo for _slot, lo, hi in pieces)
-        grad_source = self.grads.reducer.grad_source
-        with self.residency.workspace(
-            min(total, WORKSPACE_ELEMENTS),
-            torch.float32,
-            home,
-            {c.id for c in chunks.values()},
-            within="capacity",
-        ) as workspace:
-            for batch in cut(pieces, WORKSPACE_ELEMENTS):
-                sizes = [hi - lo for _slot, lo, hi in batch]
-                grads = list(torch.split(workspace[: sum(sizes)], sizes))
-                sources = [grad_source(s) for s, _lo, _hi in batch]
-                torch._foreach_copy_(
-                    grads,
-                    [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, batch, strict=True)],
-                )
-                self._account_stream(sources, sizes, home, to_home=True)
-                masters = spans(chunks[ChunkKind.MASTER], batch)
-                self._fused(
-                    [slot for slot, _lo, _hi in batch],
-                    masters,
-                    grads,
-                    spans(chunks[ChunkKind.EXP_AVG], batch),
-                    spans(chunks[ChunkKind.EXP_AVG_SQ], batch),
-                    [step_of[id(slot)] for slot, _lo, _hi in batch],
-                    grad_scale,
-                )
-                param = chunks[ChunkKind.PARAM]
-                torch._foreach_copy_(spans(param, batch), masters)
-                self._account_stream([param] * len(batch), sizes, home, to_home=False)
-
-    def _account_stream(
-        self, sources: list[Chunk], sizes: list[int], home: StorageTier, to_home: bool
-    ) -> None:
-        """Bytes crossing tiers: gradients read into the home tier, or values written back."""
-        by_chunk: dict[int, list] = {}
-        for chunk, size in zip(sources, sizes, strict=True):
-            entry = by_chunk.setdefault(chunk.id, [chunk, 0])
-            entry[1] += size * chunk.dtype.itemsize
-        for chunk, nbytes in by_chunk.values():
-            if to_home:
-                self.residency.transfer(chunk, chunk.tier, home, nbytes, "step gradients")
-            else:
-                self.residency.transfer(chunk, home, chunk.tier, nbytes, "step values")
-
-    def _by_group(self, slots: Sequence[TensorSlot]) -> dict[int, list[int]]:
-        """Positions in ``slots`` by parameter group (slots may repeat: pieces)."""
-        by_group: dict[int, list[int]] = {}
-        for position, slot in enumerate(slots):
-            by_group.setdefault(self.group_of[id(slot.param)], []).append(position)
-        return by_group
-
-    def _fused(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
-        """torch's fused kernel, one call per parameter group over aligned lists."""
-        for group_index, positions in self._by_group(slots).items():
-            kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-            kernel(
-                [params[i] for i in positions],
-                [grads[i] for i in positions],
-                [exp_avgs[i] for i in positions],
-                [exp_avg_sqs[i] for i in positions],
-                [],
-                [steps[i] for i in positions],
-                **self._hyper_parameters(group_index),
-                amsgrad=False,
-                maximize=False,
-                grad_scale=grad_scale,
-                found_inf=None,
-            )
-
-    def _hyper_parameters(self, group_index: int) -> dict[str, float]:
-        """A parameter group's hyper-parameters as the fused kernels' keyword arguments (read
-        at every step: a scheduler may change them)."""
-        group = self.param_groups[group_index]
-        beta1, beta2 = group["betas"]
-        return {
-            "lr": float(group["lr"]),
-            "beta1": beta1,
-            "beta2": beta2,
-            "weight_decay": group["weight_decay"],
-            "eps": group["eps"],
-        }
 
     def restore_from_masters(self) -> None:
         """After a skipped step: every slot that holds a gradient gets its value back."""
@@ -596,47 +268,6 @@ class ChunkAdam:
             self.residency.ready(chunk)
         views = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
         return [n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32)]
-
-
-Piece = tuple[TensorSlot, int, int]  # a slot and a range of its flat elements
-
-
-def owned_pieces(layout: ChunkLayout, span: tuple[int, int]) -> list[Piece]:
-    """The parts of slots with gradients that fall in ``span`` = (start, numel)."""
-    start, numel = span
-    pieces = []
-    for slot in layout.slots:
-        if not slot.has_grad:
-            continue
-        lo = max(0, start - slot.offset)
-        hi = min(slot.numel, start + numel - slot.offset)
-        if lo < hi:
-            pieces.append((slot, lo, hi))
-    return pieces
-
-
-def spans(chunk: Chunk, pieces: Sequence[Piece]) -> list[torch.Tensor]:
-    return [chunk.span(slot, lo, hi) for slot, lo, hi in pieces]
-
-
-def cut(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:
-    """``pieces`` in batches of at most ``limit`` elements; a longer piece is cut (Adam is
-    elementwise, so any cut is exact)."""
-    batches: list[list[Piece]] = []
-    current: list[Piece] = []
-    size = 0
-    for slot, lo, hi in pieces:
-        while lo < hi:
-            take = min(hi - lo, limit - size)
-            current.append((slot, lo, lo + take))
-            size += take
-            lo += take
-            if size == limit:
-                batches.append(current)
-                current, size = [], 0
-    if current:
-        batches.append(current)
-    return batches
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

@@ -149,7 +149,7 @@ def test_a_step_that_fails_half_way_stops_the_engine_and_says_why(monkeypatch) -
     engine.backward(engine(*data[0]))
     engine.step()
     calls = []
-    real_update = engine.optimizer._update
+    real_update = engine.optimizer.updates.run_calls
 
     def second_call_fails(*args, **kwargs):
         calls.append(1)
@@ -157,7 +157,7 @@ def test_a_step_that_fails_half_way_stops_the_engine_and_says_why(monkeypatch) -
             raise RuntimeError("injected step failure")
         real_update(*args, **kwargs)
 
-    monkeypatch.setattr(engine.optimizer, "_update", second_call_fails)
+    monkeypatch.setattr(engine.optimizer.updates, "run_calls", second_call_fails)
     engine.backward(engine(*data[1]))
     with pytest.raises(RuntimeError, match="injected step failure"):
         engine.step()

@@ -32,7 +32,7 @@ import torch
 from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config
 from chunkmem.estimate.trace import ModelTrace
-from chunkmem.optimizer import WORKSPACE_ELEMENTS
+from chunkmem.layout_update import WORKSPACE_ELEMENTS
 from chunkmem.packing import Packer
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from zero.reduce import MAX_REDUCTIONS_IN_FLIGHT
