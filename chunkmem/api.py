@@ -19,7 +19,7 @@ from chunkmem.engine import Engine, engine_of
 from chunkmem.errors import CapacityError, ConfigError
 from chunkmem.grads import GradStore
 from chunkmem.hooks import ModuleHooks
-from chunkmem.layout_update import native_host_optimizer
+from chunkmem.layout_update import UpdateBuilder, native_host_optimizer
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
@@ -165,7 +165,7 @@ def initialize(
     grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
     activations = ActivationCounter(device.meter, residency)
     threads = None if offload.optimizer_threads == "auto" else offload.optimizer_threads
-    adam = ChunkAdam(manager, states, param_groups, group_of, decoupled, threads)
+    adam = ChunkAdam(UpdateBuilder(manager, states, param_groups, group_of, decoupled, threads))
     attach_overlap(config, adam, reducer)
     if lr_scheduler is None:
         lr_scheduler = build_scheduler(config.scheduler, adam)

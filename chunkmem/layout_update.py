@@ -109,7 +109,8 @@ class UpdateBuilder:
     pinned on the work tier, step counts advanced, and the kernel calls (the native host
     optimizer in host memory, torch's fused kernel on the device or without the native
     library). ``param_groups`` is the optimizer's list, read at every build: a scheduler may
-    change it."""
+    change it. ``host_threads``: OpenMP threads of the native host kernels (None: torch's
+    thread count)."""
 
     def __init__(
         self,

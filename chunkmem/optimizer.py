@@ -33,8 +33,6 @@ import torch
 from chunkmem.chunk import ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.errors import ConfigError
 from chunkmem.layout_update import LayoutUpdate, Piece, UpdateBuilder, owned_pieces
-from chunkmem.manager import ChunkManager
-from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.tracer import Moment, Phase
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -86,32 +84,22 @@ class ChunkAdam:
     Each layout updates the elements whose optimizer states this rank holds (all of them, or
     its ZeRO shard), as flat pieces of the slots that intersect that span. Gradients are
     divided by ``grad_divisor`` (loss scale over clip coefficient) and, under ZeRO, by the
-    world size: the reduce-scatter sums, the update averages. ``host_threads``: OpenMP threads
-    of the native host kernels (None: torch's thread count).
+    world size: the reduce-scatter sums, the update averages. ``updates`` builds each layout's
+    update (``chunkmem.layout_update``).
     """
 
-    def __init__(
-        self,
-        manager: ChunkManager,
-        states: OptimizerStates,
-        param_groups: list[dict[str, Any]],
-        group_of: dict[int, int],
-        decoupled_weight_decay: bool,
-        host_threads: int | None = None,
-    ) -> None:
-        self.manager = manager
-        self.states = states
+    def __init__(self, updates: UpdateBuilder) -> None:
+        self.updates = updates
+        self.manager = manager = updates.manager
+        self.states = states = updates.states
         self.params = manager.params
         self.grads = manager.grads
         self.residency = manager.residency
         self.gatherer = manager.gatherer
         self.sharding = states.sharding
-        self.param_groups = param_groups
-        self.group_of = group_of
-        self.decoupled = decoupled_weight_decay  # AdamW (recorded in checkpoints)
-        self.updates = UpdateBuilder(
-            manager, states, param_groups, group_of, decoupled_weight_decay, host_threads
-        )
+        self.param_groups = updates.param_groups
+        self.group_of = updates.group_of
+        self.decoupled = updates.decoupled  # AdamW (recorded in checkpoints)
         # Layouts whose update began in this cycle (in backward too), counted first so that
         # a half update counts; reset when the step ends, and by an abort's cancel.
         self.layouts_updated = 0
