@@ -65,21 +65,29 @@ class LayoutUpdate:
         calls: list[Callable[[], None]],
         after: list[Callable[[], None]],
         reads: list[Waitable],
+        grads: list[torch.Tensor],
     ) -> None:
         self.layout = layout
         self.slot_ids = {id(slot) for slot in slots}
         self.pending: Future | None = None  # the run, when another thread does it
         self.finished = False
-        self.grad_norms: list[torch.Tensor] = []  # of an early update, for the step's check
+        # An early update measures the gradients it is about to consume, for the step's
+        # global-norm check, on the thread that runs it rather than in backward.
+        self.measure_grad_norms = False
+        self.grad_norms: list[torch.Tensor] = []  # fp32 per piece, in the pieces' order
         self._builder = builder
         self._stack = stack
         self._calls = calls
         self._after = after
         self._reads = reads
+        self._grads = grads  # what the kernels read (host copies of a GPU's gradients)
 
     def run(self) -> None:
         for read in self._reads:
             read.wait()
+        if self.measure_grad_norms and self._grads:
+            norms = torch._foreach_norm(self._grads, 2, dtype=torch.float32)
+            self.grad_norms = [n.cpu() for n in norms]
         self._builder.run_calls(self._calls)
 
     def wait(self) -> None:
@@ -177,15 +185,16 @@ class UpdateBuilder:
                         self._torch_update, chunks, pieces, slots, step_of, grad_scale, work
                     )
                 ]
-                after = []
+                after: list[Callable[[], None]] = []
+                grads: list[torch.Tensor] = []
             else:
-                calls, after = self._host_calls(
+                calls, after, grads = self._host_calls(
                     kernels, chunks, pieces, step_of, grad_scale, work, stack
                 )
         except BaseException:
             stack.close()
             raise
-        return LayoutUpdate(self, layout, slots, stack, calls, after, reads)
+        return LayoutUpdate(self, layout, slots, stack, calls, after, reads, grads)
 
     def run_calls(self, calls: list[Callable[[], None]]) -> None:
         """Run one layout's kernel calls."""
@@ -201,9 +210,9 @@ class UpdateBuilder:
         grad_scale: torch.Tensor | None,
         work: StorageTier,
         stack: contextlib.ExitStack,
-    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]]]:
+    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]], list[torch.Tensor]]:
         """The native kernel calls of a layout updated in host memory, one per parameter
-        group, and what ``finish`` does after them. With fp32 masters it is one pass from the
+        group, what ``finish`` does after them, and the gradients the calls read. With fp32 masters it is one pass from the
         16-bit gradients to the 16-bit parameters, through host buffers where those live on a
         GPU; pieces are passed whole, so the bits are torch's fused kernel's on them."""
         grad_source = self.grads.reducer.grad_source
@@ -249,7 +258,7 @@ class UpdateBuilder:
                     num_threads=self.host_threads,
                 )
             )
-        return calls, after
+        return calls, after, grads
 
     def _host_buffers(
         self,

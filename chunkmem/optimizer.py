@@ -161,12 +161,12 @@ class ChunkAdam:
         pieces = owned_pieces(layout, self.states.state_span(layout))
         if not pieces:
             return False
-        # The step's norm check needs these gradients, which the early update consumes.
-        norms = self._piece_norms(pieces)
         update = self.updates.prepare(
             layout, pieces, float(self.sharding.world_size), defer_reads=True
         )
-        update.grad_norms = norms
+        # The step's norm check needs these gradients, which the run consumes: the run
+        # measures them first, on its own thread (``grad_norm`` waits for it).
+        update.measure_grad_norms = True
         self.layouts_updated += 1
         self.launched[layout.index] = update
         update.pending = submit(update.run)
@@ -233,6 +233,7 @@ class ChunkAdam:
         for layout in self.params.trainable_layouts():
             early = self.launched.get(layout.index)
             if early is not None:  # taken before its update consumed the gradients
+                early.wait()
                 norms.extend(early.grad_norms)
                 continue
             norms.extend(self._piece_norms(owned_pieces(layout, self.states.state_span(layout))))

@@ -142,6 +142,33 @@ def test_the_overlapped_step_equals_the_serial_step_bit_for_bit(
         assert torch.equal(runs[True][name], value), name
 
 
+def test_the_overlapped_norm_check_sees_the_serial_norm_and_stops_on_nan() -> None:
+    """An early update measures its gradients on its own thread before consuming them; the
+    step's global norm is the serial step's, bit for bit, and a NaN found after updates
+    began in backward stops the engine instead of skipping."""
+    data = batches(6, rows=8)
+    norms: dict[bool, list[float]] = {}
+    for overlap in (False, True):
+        engine = initialize(
+            make_model(), device=DEVICE, offload={"optimizer": "host", "overlap": overlap}
+        )
+        norms[overlap] = []
+        for x, y in data:
+            engine.backward(engine(x, y))
+            engine.step()
+            norms[overlap].append(engine.last_grad_norm)
+        if overlap:
+            assert engine.reducer.listener.started >= len(data) - 2
+            x, y = data[0]
+            engine.backward(engine(x, y) * float("nan"))
+            with pytest.raises(FloatingPointError, match="already updated during backward"):
+                engine.step()
+            with pytest.raises(EngineUsageError, match="stopped"):
+                engine(x, y)
+        engine.close()
+    assert norms[True] == norms[False]
+
+
 def test_clipping_keeps_the_step_serial_and_says_so(caplog) -> None:
     data = batches(6, rows=8)
     runs = {}
