@@ -166,8 +166,9 @@ def predict(case: dict[str, Any]) -> Any:
     )
 
 
-def deepspeed_formula(case: dict[str, Any]) -> int:
-    """DeepSpeed's per-GPU model-state bytes for the case (see the module docstring)."""
+def deepspeed_inputs(case: dict[str, Any]) -> tuple[int, int, int]:
+    """What DeepSpeed's estimators take: parameters, the largest module's own parameters
+    (their ``model_to_params``), and GPUs (one at stage 0, nothing partitioned)."""
     from chunkmem.cli.models import build_model
     from chunkmem.cli.settings import ModelSettings
 
@@ -175,7 +176,12 @@ def deepspeed_formula(case: dict[str, Any]) -> int:
         model = build_model(ModelSettings(**case["model"]))
     total = sum({id(p): p.numel() for p in model.parameters()}.values())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    gpus = WORLD if case["stage"] else 1
+    return total, largest, WORLD if case["stage"] else 1
+
+
+def deepspeed_formula(case: dict[str, Any]) -> int:
+    """DeepSpeed's per-GPU model-state bytes for the case (see the module docstring)."""
+    total, largest, gpus = deepspeed_inputs(case)
     if case["stage"] == 3:
         states = 2 * total if case["offload"] else 18 * total
         return 4 * largest + int(states / gpus)
@@ -189,14 +195,7 @@ def check_against_deepspeed(case: dict[str, Any], ours: int) -> None:
         from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     except ImportError:
         return
-    from chunkmem.cli.models import build_model
-    from chunkmem.cli.settings import ModelSettings
-
-    with torch.device("meta"):
-        model = build_model(ModelSettings(**case["model"]))
-    total = sum({id(p): p.numel() for p in model.parameters()}.values())
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    gpus = WORLD if case["stage"] else 1
+    total, largest, gpus = deepspeed_inputs(case)
     if case["stage"] == 3:
         theirs = estimate_zero3_model_states_mem_needs(
             total, largest, num_gpus_per_node=gpus, cpu_offload=case["offload"],
