@@ -7,11 +7,8 @@ for an unknown key the closest valid one.
 
 from __future__ import annotations
 
-import difflib
 import json
-import re
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -24,38 +21,9 @@ from pydantic import (
     model_validator,
 )
 
+from chunkmem.byte_sizes import parse_byte_size
+from chunkmem.config_errors import describe_validation_error
 from chunkmem.errors import ConfigError
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_byte_size(value: Any) -> Any:
-    """Accept an int or a string such as ``"512MiB"``/``"1.5GB"``; leave anything else to pydantic."""
-    if isinstance(value, bool):
-        raise ValueError("a byte size must be an integer or a string like '512MiB', not a bool")
-    if isinstance(value, str):
-        match = _SIZE_PATTERN.match(value)
-        unit = match.group(2).lower() if match else None
-        if match is None or unit not in _UNITS:
-            raise ValueError(
-                f"cannot read {value!r} as a byte size; use an integer or a number with one of "
-                f"the units {sorted(u for u in _UNITS if u)} (e.g. '512MiB')"
-            )
-        return int(float(match.group(1)) * _UNITS[unit])
-    return value
-
 
 ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=0)]
 
@@ -475,7 +443,7 @@ class Config(_Section):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc)) from None
+            raise ConfigError(describe_validation_error(exc, root=cls)) from None
 
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
@@ -536,47 +504,7 @@ def _move_optimizer_states_key(data: Any) -> Any:
     return data
 
 
-def _section_at(location: tuple[Any, ...], root: type[BaseModel]) -> type[BaseModel] | None:
-    """The model class that owns the key at ``location`` (None if not a model)."""
-    model = root
-    for part in location[:-1]:
-        field = model.model_fields.get(str(part))
-        annotation = getattr(field, "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        model = annotation
-    return model
-
-
 def _is_deepspeed_config(data: dict[str, Any]) -> bool:
     from chunkmem.deepspeed_config import is_deepspeed_config
 
     return is_deepspeed_config(data)
-
-
-def describe_validation_error(
-    exc: ValidationError,
-    name: Callable[[str], str] = lambda key: f"config key {key!r}",
-    root: type[BaseModel] | None = None,
-) -> str:
-    """One line per error of validating ``root`` (default :class:`Config`), naming the key
-    (as ``name`` spells it), the value and the reason (for an unknown key, the closest valid
-    one)."""
-    lines = []
-    for error in exc.errors():
-        location = tuple(error["loc"])
-        key = ".".join(str(part) for part in location) or "<root>"
-        if error["type"] == "extra_forbidden":
-            section = _section_at(location, root or Config)
-            valid = sorted(section.model_fields) if section else []
-            close = difflib.get_close_matches(str(location[-1]), valid, n=1, cutoff=0.5)
-            hint = f"did you mean {close[0]!r}? " if close else ""
-            lines.append(f"unknown {name(key)}: {hint}valid keys here are {valid}")
-        elif not location:  # a check across keys: its message names them
-            lines.append(str(error["msg"]).removeprefix("Value error, "))
-        else:
-            value = error.get("input")
-            lines.append(
-                f"{name(key)}: {error['msg']} (got {value!r} of type {type(value).__name__})"
-            )
-    return "invalid chunkmem config:\n  " + "\n  ".join(lines)

@@ -9,7 +9,8 @@ import typing
 
 from pydantic import BaseModel
 
-from chunkmem.config import Config, parse_byte_size
+from chunkmem.byte_sizes import parse_byte_size
+from chunkmem.config import Config
 from chunkmem.deepspeed_config import mapping_markdown
 
 

@@ -25,7 +25,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from chunkmem.config import Config, describe_validation_error
+from chunkmem.config import Config
+from chunkmem.config_errors import describe_validation_error
 from chunkmem.errors import ConfigError
 
 _log = logging.getLogger("chunkmem")
@@ -404,7 +405,7 @@ def from_deepspeed(data: dict[str, Any], world_size: int | None = None) -> Confi
         config = Config.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(
-            describe_validation_error(exc, lambda key: _name(key, translation.source))
+            describe_validation_error(exc, Config, lambda key: _name(key, translation.source))
         ) from None
     if translation.accepted:
         by_note: dict[str, list[str]] = {}

@@ -9,9 +9,9 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from chunkmem.byte_sizes import parse_byte_size
 from chunkmem.cli.exit_codes import ExitCode
 from chunkmem.cli.settings import ModelSettings, load
-from chunkmem.config import parse_byte_size
 from chunkmem.errors import ConfigError
 from chunkmem.estimate import Estimate, estimate
 

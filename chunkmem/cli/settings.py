@@ -16,7 +16,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from chunkmem.config import Config, describe_validation_error
+from chunkmem.config import Config
+from chunkmem.config_errors import describe_validation_error
 from chunkmem.deepspeed_config import from_deepspeed, is_deepspeed_config
 from chunkmem.errors import ConfigError
 
