@@ -8,7 +8,7 @@ import os
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from chunkmem.tracer import Tracer
 from offload.nvme import NvmeTier
 from offload.overlap import attach as attach_overlap
 
+if TYPE_CHECKING:
+    from zero.comm import Communicator
+
 _log = logging.getLogger("chunkmem")
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -49,6 +52,7 @@ def initialize(
     optimizer: torch.optim.Optimizer | None = None,
     config: Config | dict[str, Any] | str | Path | None = None,
     lr_scheduler: Any = None,
+    comm: Communicator | None = None,
 ) -> Engine:
     """Return an :class:`Engine` training ``model`` with parameters and Adam states in chunks.
 
@@ -59,6 +63,9 @@ def initialize(
     ``lr_scheduler``: a learning-rate scheduler built on ``optimizer`` (any
     ``torch.optim.lr_scheduler``); the engine steps it after every update taken. Or name one
     in ``config.scheduler`` instead. Either is ``engine.lr_scheduler``.
+    ``comm``: the :class:`zero.comm.Communicator` ZeRO shards over (default: the
+    torch.distributed world, joined from the environment when ``zero.stage`` is set); a rank
+    of an in-process ``zero.thread_world.ThreadWorld``, say.
     """
     if isinstance(optimizer, (dict, str, Path, Config)):
         raise ConfigError(
@@ -84,7 +91,13 @@ def initialize(
             )
     if not named:
         raise ConfigError("the model has no parameters; there is nothing for chunkmem to manage")
-    comm = _join_world(config) if config.zero.stage else None
+    if comm is not None and not config.zero.stage:
+        raise ConfigError(
+            "initialize() got a communicator but config key 'zero.stage' is 0: set zero.stage "
+            "to 1, 2 or 3 to shard over it, or pass no comm to train in this process alone"
+        )
+    if comm is None and config.zero.stage:
+        comm = _join_world(config)
     local_rank = int(os.environ.get("LOCAL_RANK", comm.rank)) if comm else None
     device, capacity = make_device(config.device.type, config.device.capacity, local_rank)
     compute_dtype = _DTYPES[config.precision]

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,16 +30,17 @@ from chunkmem.states import TensorState
 from chunkmem.tracer import Moment, Phase
 
 
-class _Internal:
-    """Marks chunkmem's own work so the torch-function mode does not intercept it."""
+class _Internal(threading.local):
+    """Marks chunkmem's own work so the torch-function mode does not intercept it; per
+    thread, as torch's mode stack is (engines of an in-process world run on threads)."""
 
     depth = 0
 
     def __enter__(self) -> None:
-        _Internal.depth += 1
+        self.depth += 1
 
     def __exit__(self, *exc: object) -> None:
-        _Internal.depth -= 1
+        self.depth -= 1
 
 
 internal = _Internal()
@@ -302,7 +304,7 @@ class UnhookedAccessMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        if not _Internal.depth:
+        if not internal.depth:
             flat, _ = tree_flatten((args, kwargs))
             for value in flat:
                 if isinstance(value, torch.nn.Parameter) and self._manager.params.is_managed(value):

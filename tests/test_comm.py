@@ -123,7 +123,7 @@ def test_collectives_are_exact_on_two_ranks() -> None:
 
 
 def _collectives_on_gloo_builtins(comm: Communicator) -> None:
-    comm.rings = False  # the transport switch zero.transport: builtin
+    comm.transport.rings = False  # the transport switch zero.transport: builtin
     _check_collectives(comm, comm.world)
 
 

@@ -5,7 +5,11 @@ A collective that fails or times out raises `CollectiveError`. The group may be 
 that: with gloo an async error can surface again at the next collective on one rank only, while
 its peers wait for a message that never comes, and an NCCL timeout aborts the communicators.
 The engine must stop on the first `CollectiveError`; nothing here retries, and no other
-algorithm is ever swapped in.
+algorithm is ever swapped in. The communicator remembers the first failure (``failed``): every
+later wait, such as the cancel of the reductions still in flight, is bounded by
+``AFTER_FAILURE_S`` instead of a timeout of its own, so a rank raises within its timeout plus
+the short diagnosis (``zero.torch_transport.DIAGNOSIS_S``), however many collectives it had in
+flight when a peer died.
 
 [Note: every collective is bounded in time]
 Groups are created with their timeout, so the backend bounds its own work, and every collective
@@ -32,22 +36,22 @@ for some dtypes and not others is a trap. Averaging is the caller's division aft
 from __future__ import annotations
 
 import contextlib
-import functools
 import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from chunkmem.errors import CollectiveError
 from zero.comm_ledger import CollectiveRecord, CommLedger
-from zero.identity import FIELDS, CollectiveIdentity, diagnose, mismatch_message
-from zero.process_group import Group, create_group, init_world
-from zero.ring import AllToAllWork, HostStagedRing, RingWork
-from zero.topology import Topology
+from zero.identity import CollectiveIdentity, MismatchError
+from zero.process_group import Group, init_world
+
+if TYPE_CHECKING:
+    from zero.topology import Topology
 
 __all__ = [
     "CollectiveError",
@@ -56,18 +60,83 @@ __all__ = [
     "Communicator",
     "Group",
     "Handle",
+    "Transport",
     "init_world",
     "padded_numel",
 ]
 
-# torch 2.13 deprecates the *_into_tensor / *_tensor names; older releases lack *_single.
-# Picked once here so no call site emits a FutureWarning.
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REDUCE_OPS = ("sum", "max", "min")
 
 _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
+
+# How long a wait lasts once a collective of this communicator has failed: enough for work
+# that already completed to be collected, never a second timeout (see the first note).
+AFTER_FAILURE_S = 0.05
+
+
+class Work(Protocol):
+    """A launched collective as a transport returns it (torch's ``Work`` has this shape)."""
+
+    def wait(self, timeout: timedelta) -> bool:
+        """Return once complete; raise ``RuntimeError`` on a failure or after ``timeout``."""
+        ...
+
+    def is_completed(self) -> bool: ...
+
+
+class Transport(Protocol):
+    """How a :class:`Communicator`'s collectives move bytes: over torch.distributed
+    (``zero.torch_transport``) or between the threads of one process (``zero.thread_world``).
+
+    The communicator validates the buffers, numbers every collective (its identity), records
+    its volume and bounds every wait by the group's timeout; a transport only moves the bytes
+    under that identity and says, after a timeout, where the peers are. Results must be the
+    same on every transport, bit for bit: a reduce-scatter sums the ranks in the ring's order
+    (``zero.ring``)."""
+
+    def create_group(self, world: Group, name: str, ranks: Sequence[int]) -> Group: ...
+
+    def check_sendable(self, op: str, name: str, tensor: Tensor, group: Group) -> None:
+        """Raise ``TypeError`` for a dtype this transport cannot send."""
+        ...
+
+    def all_gather(
+        self, full: Tensor, shard: Tensor, group: Group, identity: CollectiveIdentity
+    ) -> Work: ...
+
+    def reduce_scatter(
+        self, full: Tensor, shard: Tensor, group: Group, identity: CollectiveIdentity
+    ) -> Work: ...
+
+    def all_reduce(
+        self, tensor: Tensor, op: str, group: Group, identity: CollectiveIdentity
+    ) -> Work: ...
+
+    def broadcast(
+        self, tensor: Tensor, src: int, group: Group, identity: CollectiveIdentity
+    ) -> Work: ...
+
+    def all_to_all(
+        self, send: list[Tensor], received: list[Tensor], group: Group, identity: CollectiveIdentity
+    ) -> Work: ...
+
+    def gather_bytes(
+        self, payload: bytes, group: Group, identity: CollectiveIdentity, timeout: timedelta
+    ) -> list[bytes]:
+        """Blocking: every member's ``payload`` in group-rank order."""
+        ...
+
+    def agree(self, identity: CollectiveIdentity, group: Group, timeout: timedelta) -> None:
+        """Blocking: return once every member is at ``identity``; raise if one is elsewhere."""
+        ...
+
+    def explain(self, identity: CollectiveIdentity, group: Group, cause: str) -> str:
+        """After a failed wait: ``cause``, with where the peers are where they can be asked."""
+        ...
+
+    def checkpoint_group(self) -> object:
+        """The process group ``torch.distributed.checkpoint`` coordinates on (made once)."""
+        ...
 
 
 def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
@@ -83,42 +152,32 @@ class Handle:
         self,
         op: str,
         group: Group,
-        work: dist.Work,
+        work: Work,
         launched_at: float,
-        explain_timeout: Callable[[str], str] | None = None,
-        before_wait: Callable[[], None] | None = None,
+        communicator: Communicator,
+        identity: CollectiveIdentity | None = None,
     ) -> None:
         self._op = op
         self._group = group
-        self._work: dist.Work | None = work
+        self._work: Work | None = work
         self._launched_at = launched_at
-        self._explain_timeout = explain_timeout  # asks the peers where they are
-        self._before_wait = before_wait  # the identity check of an NCCL collective
+        self._communicator = communicator
+        self._identity = identity  # to ask the peers where they are after a timeout
         self._error: CollectiveError | None = None
 
     def wait(self) -> None:
-        """Wait at most the group's timeout; on NCCL the host blocks until completion."""
+        """Wait at most the group's timeout (see [Note: a failed collective is final] for
+        the waits after a failure); on NCCL the host blocks until completion."""
         if self._error is not None:
             raise self._error
         if self._work is None:
             return
         work, self._work = self._work, None
-        if self._before_wait is not None:
-            check, self._before_wait = self._before_wait, None
-            try:
-                check()
-            except CollectiveError as error:
-                self._error = error
-                raise
-        try:
-            # torch's Work.wait(timeout) returns True or raises (a timeout included).
-            work.wait(timeout=timedelta(seconds=self._group.timeout_s))
-        except RuntimeError as cause:
-            reason = str(cause)
-            if self._explain_timeout is not None:
-                reason = self._explain_timeout(reason)
-            self._error = _failure(self._op, self._group, self._launched_at, reason)
-            raise self._error from cause
+        self._error = self._communicator._finish(
+            work, self._op, self._group, self._launched_at, self._identity
+        )
+        if self._error is not None:
+            raise self._error
 
     def is_completed(self) -> bool:
         """True once the collective finished, with success or error; `wait` tells which."""
@@ -133,39 +192,32 @@ class Communicator:
     it for a block with ``serving``). ``topology`` says which ranks share a node (None: all of
     them), which splits every record's bytes into intra-node and cross-node. ``cycle`` is the
     engine's cycle number, part of every collective's identity (see ``zero.identity``).
+    ``transport`` moves the bytes (default: torch.distributed, with gloo rings when
+    ``rings``).
     """
 
     def __init__(
-        self, world: Group, ledger: CommLedger | None = None, *, rings: bool = True
+        self,
+        world: Group,
+        ledger: CommLedger | None = None,
+        *,
+        rings: bool = True,
+        transport: Transport | None = None,
     ) -> None:
+        if transport is None:
+            from zero.torch_transport import TorchTransport
+
+            transport = TorchTransport(world, rings=rings)
         self.world = world
-        self.rings = rings  # gloo gathers and reduce-scatters as point-to-point rings
+        self.transport = transport
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
         self.phase = ""
         self.topology: Topology | None = None
         self.cycle = 0
+        self.failed: CollectiveError | None = None  # the first collective that failed
         self._groups = {world.name: world}
         self._sequence: dict[str, int] = {}
-        # Its own gloo connections: a timed-out collective closes its group's connections to
-        # the peer, and the peers must still be asked where they are (``_explain``).
-        self._diagnosis = (
-            dist.new_group(
-                list(world.ranks), timeout=timedelta(seconds=world.timeout_s), backend="gloo"
-            )
-            if world.size > 1
-            else None
-        )
-
-    def _explain(self, identity: CollectiveIdentity, group: Group, cause: str) -> str:
-        """A timed-out wait: where every peer is, if they say (see ``zero.identity``)."""
-        if group.size == 1 or self._diagnosis is None:
-            return cause
-        me = group.ranks[group.rank]
-        answers = diagnose(identity, group.ranks, me, self._diagnosis, min(10.0, group.timeout_s))
-        return mismatch_message(identity, me, answers) or (
-            f"{cause} (every peer says it is at the same {identity.describe()})"
-        )
 
     @contextlib.contextmanager
     def serving(self, phase: str) -> Iterator[None]:
@@ -184,33 +236,6 @@ class Communicator:
         self._sequence[group.name] = seq
         return CollectiveIdentity(self.cycle, seq, op, numel, dtype)
 
-    def _start_agreement(self, identity: CollectiveIdentity, group: Group) -> Callable[[], None]:
-        """Launch the gather of every member's identity for a builtin collective; the returned
-        check waits for it and raises if any member is elsewhere. A fixed-size gather: a rank
-        in another collective can never make it abort on a size mismatch."""
-        device = _object_device(group)
-        mine = identity.encode().to(device)
-        everyone = torch.empty(group.size * FIELDS, dtype=torch.int64, device=device)
-        handle = self._launch(
-            identity.op,
-            group,
-            lambda: _ALL_GATHER(everyone, mine, group=group.process_group, async_op=True),
-            identity,
-        )
-
-        def check() -> None:
-            handle.wait()
-            rows = everyone.cpu().view(group.size, FIELDS)
-            theirs = {
-                global_rank: CollectiveIdentity.decode(rows[position])
-                for position, global_rank in enumerate(group.ranks)
-            }
-            problem = mismatch_message(identity, self.rank, theirs)
-            if problem is not None:
-                raise _failure(identity.op, group, time.monotonic(), problem)
-
-        return check
-
     @property
     def rank(self) -> int:
         return self.world.rank
@@ -226,7 +251,7 @@ class Communicator:
                 f"a group named {name!r} exists already (ranks "
                 f"{list(self._groups[name].ranks)}); the ledger keys volumes by name, pick another"
             )
-        group = create_group(self.world, name, ranks)
+        group = self.transport.create_group(self.world, name, ranks)
         self._groups[name] = group
         return group
 
@@ -238,21 +263,15 @@ class Communicator:
         ``shard`` may be that very slice of ``full`` (in place).
         """
         g = self._member("all_gather", group)
-        _check_shard_and_full("all_gather", g, shard, full)
+        self._check_shard_and_full("all_gather", g, shard, full)
         numel = full.numel()
-        ring = _ring_for(full)
         return self._run(
             "all_gather",
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda tag: (
-                ring(full, shard, g.ranks, g.rank, g.process_group, reduce=False, tag=tag)
-                if self._use_ring(g)
-                else _ALL_GATHER(full, shard, group=g.process_group, async_op=True)
-            ),
+            lambda identity: self.transport.all_gather(full, shard, g, identity),
             async_op,
-            ring=self._use_ring(g),
         )
 
     def reduce_scatter(
@@ -260,23 +279,15 @@ class Communicator:
     ) -> Handle:
         """Group rank i's ``shard`` becomes the sum over ranks of their ``full[i*n : (i+1)*n]``."""
         g = self._member("reduce_scatter", group)
-        _check_shard_and_full("reduce_scatter", g, shard, full)
+        self._check_shard_and_full("reduce_scatter", g, shard, full)
         numel = full.numel()
-        ring = _ring_for(full)
         return self._run(
             "reduce_scatter",
             g,
             full,
             numel * (g.size - 1) // g.size,
-            lambda tag: (
-                ring(full, shard, g.ranks, g.rank, g.process_group, reduce=True, tag=tag)
-                if self._use_ring(g)
-                else _REDUCE_SCATTER(
-                    shard, full, op=dist.ReduceOp.SUM, group=g.process_group, async_op=True
-                )
-            ),
+            lambda identity: self.transport.reduce_scatter(full, shard, g, identity),
             async_op,
-            ring=self._use_ring(g),
         )
 
     def all_reduce(
@@ -289,7 +300,7 @@ class Communicator:
     ) -> Handle:
         """Reduce ``tensor`` in place across the group with ``op`` ("sum", "max" or "min")."""
         g = self._member("all_reduce", group)
-        _check_flat("all_reduce", "tensor", tensor, g)
+        self._check_flat("all_reduce", "tensor", tensor, g)
         if op not in _REDUCE_OPS:
             raise ValueError(
                 f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}; to average, "
@@ -301,9 +312,7 @@ class Communicator:
             g,
             tensor,
             2 * numel * (g.size - 1) // g.size,
-            lambda _tag: dist.all_reduce(
-                tensor, op=_REDUCE_OPS[op], group=g.process_group, async_op=True
-            ),
+            lambda identity: self.transport.all_reduce(tensor, op, g, identity),
             async_op,
         )
 
@@ -313,22 +322,19 @@ class Communicator:
         ``src`` is the rank within ``group``, not the global rank.
         """
         g = self._member("broadcast", group)
-        _check_flat("broadcast", "tensor", tensor, g)
+        self._check_flat("broadcast", "tensor", tensor, g)
         if not 0 <= src < g.size:
             raise ValueError(
                 f"broadcast: src={src} is not a rank of {g.describe()}: group ranks are "
                 f"0..{g.size - 1} (src is the rank within the group, not the global rank)"
             )
         sent = tensor.numel() if g.rank == src and g.size > 1 else 0
-        # Passing the global rank works on every torch release; `group_src=` is recent.
         self._run(
             "broadcast",
             g,
             tensor,
             sent,
-            lambda _tag: dist.broadcast(
-                tensor, src=g.ranks[src], group=g.process_group, async_op=True
-            ),
+            lambda identity: self.transport.broadcast(tensor, src, g, identity),
             async_op=False,
         )
 
@@ -344,13 +350,7 @@ class Communicator:
         scales, as uint8 views): each ``send[i]`` is cut into ``size`` equal blocks; block
         ``j`` goes to group rank ``j``, which stores the block it gets from group rank ``k`` as
         block ``k`` of ``received[i]``. All buffers share one dtype; ``received[i]`` has the
-        numel of ``send[i]``.
-
-        Runs as point-to-point messages on gloo (like the rings, and like them only when
-        ``rings`` is on) under the collective's identity tag, and as ``all_to_all_single`` per
-        buffer otherwise. At most two buffers (a
-        quantized tensor's levels and scales): the second travels under a tag of its own
-        (``zero.ring.AllToAllWork``).
+        numel of ``send[i]``. At most two buffers (a quantized tensor's levels and scales).
         """
         g = self._member("all_to_all", group)
         send, received = list(send), list(received)
@@ -360,8 +360,8 @@ class Communicator:
                 f"{len(send)} and {len(received)} buffers"
             )
         for index, (out, into) in enumerate(zip(send, received, strict=True)):
-            _check_flat("all_to_all", f"send[{index}]", out, g)
-            _check_flat("all_to_all", f"received[{index}]", into, g)
+            self._check_flat("all_to_all", f"send[{index}]", out, g)
+            self._check_flat("all_to_all", f"received[{index}]", into, g)
             if out.dtype != send[0].dtype or into.dtype != out.dtype:
                 raise TypeError(
                     f"all_to_all: every buffer must have dtype {send[0].dtype}, got send[{index}] "
@@ -376,67 +376,44 @@ class Communicator:
         if len(send) > 2:
             raise ValueError(f"all_to_all: at most 2 buffers per call, got {len(send)}")
         numel = sum(t.numel() for t in send)
-        gloo = self._use_ring(g)
         return self._run(
             "all_to_all",
             g,
             send[0],
             numel * (g.size - 1) // g.size,
-            lambda tag: (
-                AllToAllWork(send, received, g.ranks, g.rank, g.process_group, tag)
-                if gloo
-                else _all_to_all_single(send, received, g)
-            ),
+            lambda identity: self.transport.all_to_all(send, received, g, identity),
             async_op,
-            ring=gloo,
             numel=numel,
         )
 
     def all_gather_object(self, obj: object, *, group: Group | None = None) -> list[object]:
         """Every member's picklable ``obj`` in group-rank order; blocking, for small metadata.
 
-        Two gathers on flat uint8/int64 buffers: the pickled lengths, then the pickles padded to
-        the longest. The ledger records them as one uint8 record of
-        ``size * (8 + longest)`` elements (the int64 length counts as 8 bytes).
+        The ledger records it as one uint8 record of ``size * (8 + longest)`` elements (the
+        pickled lengths as int64, then the pickles padded to the longest).
         """
         g = self._member("all_gather_object", group)
-        device = _object_device(g)
-        self._start_agreement(self._identity("all_gather_object", g, 0, None), g)()
-        payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-        length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
-        lengths = torch.empty(g.size, dtype=torch.int64, device=device)
-        self._launch(
+        identity = self._identity("all_gather_object", g, 0, None)
+        payloads = self._blocking(
             "all_gather_object",
             g,
-            lambda: _ALL_GATHER(lengths, length, group=g.process_group, async_op=True),
-        ).wait()
-        longest = int(lengths.max())
-        padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-        padded[: payload.numel()] = payload
-        gathered = torch.empty(g.size * longest, dtype=torch.uint8, device=device)
-        numel = g.size * (_LENGTH_BYTES + longest)
+            identity,
+            lambda timeout: self.transport.gather_bytes(pickle.dumps(obj), g, identity, timeout),
+        )
+        numel = g.size * (_LENGTH_BYTES + max(len(p) for p in payloads))
         self._record("all_gather_object", g, numel, numel * (g.size - 1) // g.size, torch.uint8)
-        self._launch(
-            "all_gather_object",
-            g,
-            lambda: _ALL_GATHER(gathered, padded, group=g.process_group, async_op=True),
-        ).wait()
-        host = gathered.cpu()
-        return [
-            pickle.loads(host[i * longest : i * longest + n].numpy().tobytes())
-            for i, n in enumerate(lengths.tolist())
-        ]
+        return [pickle.loads(payload) for payload in payloads]
 
     def barrier(self, *, group: Group | None = None) -> None:
         """Return once every member reached the barrier (bounded by the group's timeout)."""
         g = self._member("barrier", group)
         self._record("barrier", g, 0, 0, None)
-        # Every member at the same collective: that gather is the barrier.
-        self._start_agreement(self._identity("barrier", g, 0, None), g)()
+        identity = self._identity("barrier", g, 0, None)
+        self._blocking(
+            "barrier", g, identity, lambda timeout: self.transport.agree(identity, g, timeout)
+        )
 
-    def _use_ring(self, group: Group) -> bool:
-        return self.rings and _is_gloo(group)
-
+    # ------------------------------------------------------------------ internals
     def _member(self, op: str, group: Group | None) -> Group:
         g = self.world if group is None else group
         if not isinstance(g, Group):
@@ -445,35 +422,112 @@ class Communicator:
             raise ValueError(f"{op}: global rank {self.rank} is not a member of {g.describe()}")
         return g
 
+    def _check_flat(self, op: str, name: str, tensor: Tensor, group: Group) -> None:
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.dim() != 1:
+            raise ValueError(
+                f"{op}: {name} must be a flat 1-D buffer (gloo rejects stacked shapes), "
+                f"got shape {tuple(tensor.shape)}"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"{op}: {name} must be contiguous, got stride {tensor.stride()} "
+                f"for shape {tuple(tensor.shape)}"
+            )
+        self.transport.check_sendable(op, name, tensor, group)
+
+    def _check_shard_and_full(self, op: str, group: Group, shard: Tensor, full: Tensor) -> None:
+        self._check_flat(op, "shard", shard, group)
+        self._check_flat(op, "full", full, group)
+        if full.dtype != shard.dtype:
+            raise TypeError(
+                f"{op}: full has dtype {full.dtype} but shard has {shard.dtype}; they must match"
+            )
+        if full.device != shard.device:
+            raise ValueError(
+                f"{op}: full is on {full.device} but shard is on {shard.device}; they must match"
+            )
+        expected = shard.numel() * group.size
+        if full.numel() != expected:
+            raise ValueError(
+                f"{op}: full must have shard.numel() * size of {group.describe()} = "
+                f"{shard.numel()} * {group.size} = {expected} elements, got {full.numel()}; "
+                f"pad the buffer to padded_numel(numel, {group.size})"
+            )
+
     def _run(
         self,
         op: str,
         group: Group,
         tensor: Tensor,
         elements_sent: int,
-        start: Callable[[int], dist.Work],
+        start: Callable[[CollectiveIdentity], Work],
         async_op: bool,
-        ring: bool = False,
         numel: int | None = None,
     ) -> Handle:
-        """Launch ``start(tag)`` as collective ``op`` with its identity (see ``zero.identity``):
-        a ring sends under the identity's tag; a builtin collective first checks that every
-        member is at the same collective (before launching on gloo, whose background work
-        would abort on a size mismatch; on the wait on NCCL, which keeps its launch order).
+        """Record collective ``op``, give it its identity and launch ``start(identity)``.
         ``numel`` is the logical size when ``tensor`` is one of several buffers."""
         numel = tensor.numel() if numel is None else numel
         self._record(op, group, numel, elements_sent, tensor.dtype)
         identity = self._identity(op, group, numel, tensor.dtype)
-        check = None
-        if not ring and group.size > 1:
-            check = self._start_agreement(identity, group)
-            if _is_gloo(group):
-                check()
-                check = None
-        handle = self._launch(op, group, lambda: start(identity.tag()), identity, check)
+        launched_at = time.monotonic()
+        try:
+            work = start(identity)
+        except RuntimeError as cause:
+            raise self._failed(_failure(op, group, launched_at, str(cause))) from cause
+        handle = Handle(op, group, work, launched_at, self, identity)
         if not async_op:
             handle.wait()
         return handle
+
+    def _blocking(
+        self,
+        op: str,
+        group: Group,
+        identity: CollectiveIdentity,
+        run: Callable[[timedelta], object],
+    ) -> object:
+        """A blocking exchange of the transport's, bounded by the group's timeout."""
+        launched_at = time.monotonic()
+        try:
+            return run(timedelta(seconds=group.timeout_s))
+        except RuntimeError as cause:
+            reason = self._explain(identity, group, cause)
+            raise self._failed(_failure(op, group, launched_at, reason)) from cause
+
+    def _finish(
+        self,
+        work: Work,
+        op: str,
+        group: Group,
+        launched_at: float,
+        identity: CollectiveIdentity | None,
+    ) -> CollectiveError | None:
+        """Wait for ``work``; the error that ends it, if any (see [Note: a failed collective
+        is final]: after a failure, a wait is not given a second timeout)."""
+        timeout_s = group.timeout_s if self.failed is None else AFTER_FAILURE_S
+        try:
+            work.wait(timedelta(seconds=timeout_s))
+            return None
+        except RuntimeError as cause:
+            if self.failed is not None:
+                return _failure(
+                    op, group, launched_at, f"{cause}, after an earlier failure: {self.failed}"
+                )
+            reason = str(cause) if identity is None else self._explain(identity, group, cause)
+            return self._failed(_failure(op, group, launched_at, reason))
+
+    def _explain(self, identity: CollectiveIdentity, group: Group, cause: RuntimeError) -> str:
+        """A mismatch says where everyone is already; other failures ask the peers."""
+        if isinstance(cause, MismatchError):
+            return str(cause)
+        return self.transport.explain(identity, group, str(cause))
+
+    def _failed(self, error: CollectiveError) -> CollectiveError:
+        if self.failed is None:
+            self.failed = error
+        return error
 
     def _record(
         self, op: str, group: Group, numel: int, elements_sent: int, dtype: torch.dtype | None
@@ -506,24 +560,6 @@ class Communicator:
         right = group.ranks[(group.rank + 1) % group.size]
         return 0 if topology.same_node(me, right) else elements_sent
 
-    def _launch(
-        self,
-        op: str,
-        group: Group,
-        start: Callable[[], dist.Work],
-        identity: CollectiveIdentity | None = None,
-        before_wait: Callable[[], None] | None = None,
-    ) -> Handle:
-        launched_at = time.monotonic()
-        try:
-            work = start()
-        except RuntimeError as cause:
-            raise _failure(op, group, launched_at, str(cause)) from cause
-        explain = None
-        if identity is not None:
-            explain = functools.partial(self._explain, identity, group)
-        return Handle(op, group, work, launched_at, explain, before_wait)
-
 
 def padded_numel(numel: int, multiple: int) -> int:
     """The smallest multiple of ``multiple`` that holds ``numel`` elements.
@@ -536,90 +572,3 @@ def padded_numel(numel: int, multiple: int) -> int:
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")
     return -(-numel // multiple) * multiple
-
-
-def _check_flat(op: str, name: str, tensor: Tensor, group: Group) -> None:
-    if not isinstance(tensor, Tensor):
-        raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dim() != 1:
-        raise ValueError(
-            f"{op}: {name} must be a flat 1-D buffer (gloo rejects stacked shapes), "
-            f"got shape {tuple(tensor.shape)}"
-        )
-    if not tensor.is_contiguous():
-        raise ValueError(
-            f"{op}: {name} must be contiguous, got stride {tensor.stride()} "
-            f"for shape {tuple(tensor.shape)}"
-        )
-    if (
-        tensor.dtype.is_floating_point
-        and tensor.dtype.itemsize == 1
-        and dist.get_backend(group.process_group) == "gloo"
-    ):
-        raise TypeError(
-            f"{op}: {name} has dtype {tensor.dtype}, which gloo cannot send; "
-            f"pass {name}.view(torch.uint8) and view the result back"
-        )
-
-
-def _check_shard_and_full(op: str, group: Group, shard: Tensor, full: Tensor) -> None:
-    _check_flat(op, "shard", shard, group)
-    _check_flat(op, "full", full, group)
-    if full.dtype != shard.dtype:
-        raise TypeError(
-            f"{op}: full has dtype {full.dtype} but shard has {shard.dtype}; they must match"
-        )
-    if full.device != shard.device:
-        raise ValueError(
-            f"{op}: full is on {full.device} but shard is on {shard.device}; they must match"
-        )
-    expected = shard.numel() * group.size
-    if full.numel() != expected:
-        raise ValueError(
-            f"{op}: full must have shard.numel() * size of {group.describe()} = "
-            f"{shard.numel()} * {group.size} = {expected} elements, got {full.numel()}; "
-            f"pad the buffer to padded_numel(numel, {group.size})"
-        )
-
-
-class _Works:
-    """Several launched works as one: ``wait`` waits for each, within one timeout in total."""
-
-    def __init__(self, works: list[dist.Work]) -> None:
-        self._works = works
-
-    def wait(self, timeout: timedelta) -> bool:
-        deadline = time.monotonic() + timeout.total_seconds()
-        for work in self._works:
-            work.wait(timeout=timedelta(seconds=max(0.0, deadline - time.monotonic())))
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
-
-
-def _all_to_all_single(send: list[Tensor], received: list[Tensor], group: Group) -> _Works:
-    """One builtin all-to-all per buffer (NCCL, or gloo without rings)."""
-    return _Works(
-        [
-            dist.all_to_all_single(into, out, group=group.process_group, async_op=True)
-            for out, into in zip(send, received, strict=True)
-        ]
-    )
-
-
-def _is_gloo(group: Group) -> bool:
-    """gloo gathers and reduce-scatters run as a point-to-point ring (see ``zero.ring``)."""
-    return dist.get_backend(group.process_group) == "gloo"
-
-
-def _ring_for(full: Tensor) -> type[RingWork] | type[HostStagedRing]:
-    """gloo's point-to-point messages need host memory: device tensors travel as host copies."""
-    return RingWork if full.device.type == "cpu" else HostStagedRing
-
-
-def _object_device(group: Group) -> torch.device:
-    # NCCL moves only CUDA tensors; gloo (and a mixed cpu:gloo,cuda:nccl group) takes host ones.
-    if dist.get_backend(group.process_group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")

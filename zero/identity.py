@@ -51,6 +51,10 @@ DIAGNOSE_TAG = (1 << 31) - 1  # reserved for "where are you?" after a timeout
 _TAG_MASK = (1 << 31) - 2  # ring tags stay below the reserved one
 
 
+class MismatchError(RuntimeError):
+    """Members of a group are at different collectives (a transport's agreement check)."""
+
+
 @dataclass(frozen=True)
 class CollectiveIdentity:
     cycle: int

@@ -101,8 +101,8 @@ def _init_from_launch_env(backend: str, timeout_s: float) -> None:
     )
 
 
-def create_group(world: Group, name: str, ranks: Sequence[int]) -> Group:
-    """A subgroup of ``world`` with the world's timeout; every rank of the world must call it."""
+def check_group_ranks(world: Group, name: str, ranks: Sequence[int]) -> tuple[int, ...]:
+    """``ranks`` as a subgroup of ``world`` may have them: distinct, increasing, in the world."""
     ranks = tuple(ranks)
     if not ranks:
         raise ValueError(f"group {name!r} needs at least one rank, got an empty list")
@@ -115,6 +115,12 @@ def create_group(world: Group, name: str, ranks: Sequence[int]) -> Group:
             f"group {name!r}: ranks {list(ranks)} must be distinct and increasing "
             f"(torch orders group ranks by global rank), e.g. {sorted(set(ranks))}"
         )
+    return ranks
+
+
+def create_group(world: Group, name: str, ranks: Sequence[int]) -> Group:
+    """A subgroup of ``world`` with the world's timeout; every rank of the world must call it."""
+    ranks = check_group_ranks(world, name, ranks)
     process_group = dist.new_group(list(ranks), timeout=timedelta(seconds=world.timeout_s))
     me = dist.get_rank()
     return Group(

@@ -19,10 +19,8 @@ engine does on CPU tensors are moved there and back.
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 import kernels
 from chunkmem.chunk import ChunkLayout
@@ -55,7 +53,6 @@ class ZeroSharding(Sharding):
         self.device = device
         self.world_size = comm.size
         self.rank = comm.rank
-        self._checkpoint_group: object | None = None
 
     def param_span(self, layout: ChunkLayout) -> Span | None:
         return self.shard(layout) if self.stage >= 3 else None
@@ -86,14 +83,7 @@ class ZeroSharding(Sharding):
         return self.comm.all_gather_object(obj)
 
     def checkpoint_group(self) -> object | None:
-        """A gloo group of its own, made at the first checkpoint: DCP's object collectives
-        stage through the GPU on NCCL, and its messages never mix with the training's."""
-        if self._checkpoint_group is None:
-            world = self.comm.world
-            self._checkpoint_group = dist.new_group(
-                list(world.ranks), timeout=timedelta(seconds=world.timeout_s), backend="gloo"
-            )
-        return self._checkpoint_group
+        return self.comm.transport.checkpoint_group()
 
 
 class ZeroStrategy(Strategy):
