@@ -7,8 +7,13 @@ what the user sees in every failure mode).
 from __future__ import annotations
 
 import copy
+import json
 import logging
+import os
+import re
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,3 +269,80 @@ def test_a_model_in_another_dtype_than_the_precision_is_said_once(caplog) -> Non
     with caplog.at_level(logging.WARNING, logger="chunkmem"):
         engine_for(GPT(SMALL), precision="bf16")  # fp32 weights become the fp32 masters
     assert "chunkmem trains them" not in caplog.text
+
+
+# ---------------------------------------------------------------- 10. a rank killed mid-run
+DEATH_TIMEOUT_S = 3.0
+
+
+def killed_at_step_three(comm, killed: int, record_dir: str) -> None:
+    """ZeRO-2 training; rank ``killed`` SIGKILLs itself inside step 3's backward (its peers'
+    reductions in flight), after writing the moment it died. A survivor writes when and how
+    it raised, then exits at once, as a training script does: a peer still diagnosing must
+    not wait on it."""
+    torch.manual_seed(0)
+    engine = chunkmem.initialize(
+        GPT(SMALL),
+        config={
+            "device": {"type": "simulated", "capacity": "10MB"},
+            "chunk": {"size": 2048},
+            "zero": {"stage": 2, "timeout_s": DEATH_TIMEOUT_S},
+        },
+    )
+    data = token_batches(6, batch=2, seq=16, vocab=64)
+    for step, (x, y) in enumerate(data):
+        if step == 3 and comm.rank == killed:
+            layouts = engine.params.trainable_layouts()
+            victim = layouts[len(layouts) // 2].slots[0].param
+
+            def die(_grad: torch.Tensor) -> None:
+                (Path(record_dir) / "killed_at").write_text(repr(time.monotonic()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            victim.register_hook(die)
+        try:
+            engine.backward(engine(x, y))
+            engine.step()
+        except CollectiveError as error:
+            record = {"raised_at": time.monotonic(), "message": str(error), "step": step}
+            (Path(record_dir) / f"rank{comm.rank}.json").write_text(json.dumps(record))
+            os._exit(0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_every_survivor_of_a_killed_rank_raises_within_the_timeout_naming_it(
+    world: int, tmp_path
+) -> None:
+    run_ranks(
+        killed_at_step_three,
+        world,
+        1,
+        str(tmp_path),
+        timeout_s=DEATH_TIMEOUT_S,
+        deadline_s=90,
+        dying_ranks=range(world),
+    )
+    killed_at = float((tmp_path / "killed_at").read_text())
+    for rank in range(world):
+        if rank == 1:
+            continue
+        path = tmp_path / f"rank{rank}.json"
+        assert path.exists(), f"rank {rank} never raised"
+        result = json.loads(path.read_text())
+        late_s = result["raised_at"] - killed_at
+        assert late_s < DEATH_TIMEOUT_S + 1.0, f"rank {rank} raised {late_s:.2f} s after the kill"
+        assert result["step"] == 3, rank
+        assert 1 in _ranks_named(result["message"], "gone"), f"rank {rank}: {result['message']}"
+
+
+def _ranks_named(message: str, status: str) -> set[int]:
+    """The ranks a collective error says are ``status`` ("rank 1 is gone", "ranks 0-2 are
+    gone")."""
+    named: set[int] = set()
+    for listed in re.findall(rf"ranks? ([0-9, -]+) (?:is|are) {status}", message):
+        for part in listed.split(", "):
+            low, _, high = part.partition("-")
+            named.update(range(int(low), int(high or low) + 1))
+    return named

@@ -88,26 +88,45 @@ class CollectiveIdentity:
 
 
 def mismatch_message(
-    mine: CollectiveIdentity, rank: int, theirs: dict[int, CollectiveIdentity | None]
+    mine: CollectiveIdentity, rank: int, theirs: dict[int, CollectiveIdentity | str | None]
 ) -> str | None:
-    """Why the ranks are out of step, naming both sides; None when every rank agrees."""
+    """Why the ranks are out of step, naming both sides; None when every rank agrees. A peer
+    that gave no identity is ``None`` (silent) or a string saying why (its connection closed)."""
     differing = {r: t for r, t in theirs.items() if t != mine}
     if not differing:
         return None
-    parts = []
+    by_where: dict[str, list[int]] = {}
     for other, identity in sorted(differing.items()):
-        where = (
-            "did not answer (dead, hung, or outside any collective)"
-            if identity is None
-            else f"is at {identity.describe()}"
-        )
-        parts.append(f"rank {other} {where}")
+        if identity is None:
+            where = "did not answer (dead, hung, or outside any collective)"
+        elif isinstance(identity, str):
+            where = identity
+        else:
+            where = f"is at {identity.describe()}"
+        by_where.setdefault(where, []).append(other)
+    parts = [
+        f"rank {ranks[0]} {where}"
+        if len(ranks) == 1
+        else f"ranks {_compact(ranks)} {where.replace('is ', 'are ', 1) if where.startswith('is ') else where}"
+        for where, ranks in by_where.items()
+    ]
     return (
         f"ranks are out of step: rank {rank} is at {mine.describe()}, but "
         + "; ".join(parts)
         + ". A rank skipped or repeated collectives (e.g. it caught an exception and carried on "
-        "with the next batch); every rank must run the same cycles."
+        "with the next batch), or died; every rank must run the same cycles."
     )
+
+
+def _compact(ranks: list[int]) -> str:
+    """``0-3, 6, 8-9``: a sorted rank list as runs (messages stay short at 512 ranks)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    return ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
 
 
 def diagnose(
@@ -116,16 +135,18 @@ def diagnose(
     rank: int,
     process_group: object,
     timeout_s: float,
-) -> dict[int, CollectiveIdentity | None]:
+) -> dict[int, CollectiveIdentity | str | None]:
     """After a timeout: tell every peer where this rank is and hear where they are.
 
-    A peer that timed out too answers at once; one that does not answer within ``timeout_s``
-    is reported as silent. Fixed-size messages on a reserved tag, so nothing here can meet a
-    payload of another collective.
+    A peer that timed out too answers at once; one whose connection is closed is reported as
+    gone (its process died or exited); one that does not answer within ``timeout_s`` as
+    silent. Fixed-size messages on a reserved tag, so nothing here can meet a payload of
+    another collective.
     """
     peers = [r for r in ranks if r != rank]
     payload = mine.encode()
     received = {peer: torch.empty(FIELDS, dtype=torch.int64) for peer in peers}
+    answers: dict[int, CollectiveIdentity | str | None] = dict.fromkeys(peers)
     sends, receives = [], []
     for peer in peers:
         try:  # a dead peer's connection may refuse even the posting
@@ -133,24 +154,35 @@ def diagnose(
             receives.append(
                 (peer, dist.irecv(received[peer], peer, group=process_group, tag=DIAGNOSE_TAG))
             )
-        except RuntimeError:
-            continue
-    answers: dict[int, CollectiveIdentity | None] = dict.fromkeys(peers)
+        except RuntimeError as error:
+            answers[peer] = _gone(error)
     deadline = time.monotonic() + timeout_s
     for peer, work in receives:
-        if _finished(work, deadline):
+        outcome = _finished(work, deadline)
+        if outcome is True:
             answers[peer] = CollectiveIdentity.decode(received[peer])
+        elif outcome is not None:
+            answers[peer] = _gone(outcome)
     for work in sends:  # a send dropped unfinished may never reach the peer
         _finished(work, deadline)
     return answers
 
 
-def _finished(work: dist.Work, deadline: float) -> bool:
+def _gone(error: RuntimeError) -> str | None:
+    """What a failed exchange with a peer says of it: gone when the connection is closed."""
+    text = str(error).lower()
+    if "closed" in text or "reset" in text or "refused" in text or "broken pipe" in text:
+        return "is gone (its connection closed: the process died or exited)"
+    return None
+
+
+def _finished(work: dist.Work, deadline: float) -> bool | RuntimeError | None:
+    """True once done; the error if it failed; None if the deadline passed first."""
     left = deadline - time.monotonic()
     if left <= 0:
-        return False
+        return None
     try:
         work.wait(timeout=timedelta(seconds=left))
-    except RuntimeError:
-        return False
+    except RuntimeError as error:
+        return None if "timed out" in str(error).lower() else error
     return True

@@ -162,8 +162,7 @@ class ThreadWorld:
                     f"{sorted(set(range(meeting.members)) - set(meeting.deposits))}"
                 )
             theirs = {
-                group.ranks[position]: deposit[0]
-                for position, deposit in meeting.deposits.items()
+                group.ranks[position]: deposit[0] for position, deposit in meeting.deposits.items()
             }
             payloads = [meeting.deposits[position][1] for position in range(meeting.members)]
             meeting.finished += 1
