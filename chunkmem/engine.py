@@ -299,11 +299,20 @@ class Engine:
         try:
             self.reducer.begin_backward(final_micro_batch=final)
             self.grads.accepting = True
+            self.grads.stored_in_backward = 0
             try:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                     (loss * factor if factor != 1.0 else loss).backward()
             finally:
                 self.grads.accepting = False
+            if not self.grads.stored_in_backward and self.params.trainable_layouts():
+                raise EngineUsageError(
+                    "engine.backward(loss) reached none of the model's trainable parameters: "
+                    "the loss does not come from the engine's forward (a detach(), a clone "
+                    "made to require grad, or a tensor computed apart from the model). "
+                    "Nothing was updated and this batch's activations and gradients were "
+                    "dropped; pass the loss computed from engine(...)'s output"
+                )
             self.hooks.finish_backward()
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
             self.reducer.finish_backward()

@@ -44,6 +44,7 @@ class GradStore:
         self.grads_in_param_slot = grads_in_param_slot
         self.repaired_grad_slots: list[str] = []
         self.accepting = False  # only engine.backward() produces gradients the engine takes
+        self.stored_in_backward = 0  # gradients stored since engine.backward() began
 
     def home(self, slot: TensorSlot) -> Chunk:
         """The chunk ``slot``'s gradient is written to in backward (created on first use)."""
@@ -94,6 +95,7 @@ class GradStore:
             else:
                 view.copy_(grad)
             slot.grad_contributions += 1
+            self.stored_in_backward += 1
             if home.kind is ChunkKind.PARAM and not slot.grad_in_param_slot:
                 slot.grad_in_param_slot = True
                 self.binder.unbind(slot)

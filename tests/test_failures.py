@@ -24,7 +24,7 @@ import chunkmem
 from chunkmem.config import Config
 from chunkmem.errors import ChunkmemError, CollectiveError, ConfigError, EngineUsageError
 from chunkmem.models.gpt import GPT, GPTConfig
-from tests.distributed_helpers import run_ranks
+from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from tests.reference import max_relative_diff, token_batches, train_engine, train_reference
 from tests.test_aborts import FAIL_AT, batches, make_engine
 from zero.comm import CollectiveRecord, CommLedger
@@ -102,6 +102,77 @@ def test_gradients_from_a_backward_around_the_engine_are_refused() -> None:
     train_engine(engine, data[1:])
     state = engine.state_dict()
     assert max_relative_diff({n: state[n] for n in reference.masters}, reference.masters) == 0.0
+
+
+CUT_OFF_LOSSES = {
+    "detached": lambda output: output.detach().clone().requires_grad_(),
+    "apart from the model": lambda output: torch.ones((), requires_grad=True) * 2.0,
+}
+
+
+@pytest.mark.parametrize("cut_off", sorted(CUT_OFF_LOSSES))
+def test_a_backward_that_reaches_no_parameter_is_refused_and_changes_nothing(cut_off) -> None:
+    """Accepted before: step() returned True, updated nothing, and the forward's saved
+    activations stayed held, so training ran out of device memory a few steps later."""
+    model = GPT(SMALL)
+    data = token_batches(3, batch=2, seq=16, vocab=64)
+    reference = train_reference(model, data)
+    engine = engine_for(copy.deepcopy(model))
+    train_engine(engine, data[:1])
+    before = engine.state_dict()
+    loss = CUT_OFF_LOSSES[cut_off](engine(*data[1]))
+    with pytest.raises(EngineUsageError, match="reached none of the model's trainable"):
+        engine.backward(loss)
+    assert engine.activations.held_bytes == 0, "the forward's saved tensors were released"
+    assert engine.ledger.device.nonmodel == 0
+    with pytest.raises(EngineUsageError, match="needs engine.backward"):
+        engine.step()  # nothing to update
+    after = engine.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before), "nothing was updated"
+    train_engine(engine, data[1:])  # the batch again, then the next: as if never refused
+    state = engine.state_dict()
+    assert max_relative_diff({n: state[n] for n in reference.masters}, reference.masters) == 0.0
+
+
+def refused_then_trained(comm, stage: int, refuse: bool) -> dict:
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = GPT(SMALL)
+    engine = chunkmem.initialize(
+        model,
+        comm=comm,
+        config={
+            "device": {"type": "simulated", "capacity": "10MB"},
+            "chunk": {"size": 2048},
+            "optimizer": {"lr": 1e-3},
+            "zero": {"stage": stage, "timeout_s": 10},
+        },
+    )
+    data = token_batches(3, batch=2 * comm.size, seq=16, vocab=64)
+    mine = [(x.chunk(comm.size)[comm.rank], y.chunk(comm.size)[comm.rank]) for x, y in data]
+    refused = 0
+    for step, (x, y) in enumerate(mine):
+        output = engine(x, y)
+        if step == 1 and refuse:
+            with pytest.raises(EngineUsageError, match="reached none"):
+                engine.backward(output.detach().clone().requires_grad_())
+            refused += 1
+            output = engine(x, y)
+        engine.backward(output)
+        engine.step()
+    return {"state": engine.state_dict(), "refused": refused}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_rank_refusing_a_cut_off_loss_stays_in_step_and_trains_exactly(stage) -> None:
+    """On an in-process world of 2 ranks: the refusal comes before any collective of the
+    backward, so the ranks stay in step, and the next batches train as if it never came."""
+    refused = run_threads(refused_then_trained, 2, stage, True)
+    control = run_threads(refused_then_trained, 2, stage, False)
+    for rank in range(2):
+        assert (refused[rank]["refused"], control[rank]["refused"]) == (1, 0)
+        state, expected = refused[rank]["state"], control[rank]["state"]
+        assert all(torch.equal(state[k], expected[k]) for k in expected), rank
 
 
 # ---------------------------------------------------------------- 4. two engines
