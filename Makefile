@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkmem-installed
 
-.PHONY: venv demo test test-slow bench lint clean cuda-check gpu-check gpu-wheels
+.PHONY: venv demo test test-threads test-slow bench lint clean cuda-check gpu-check gpu-wheels
 
 venv: $(STAMP)
 
@@ -28,6 +28,15 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The engine-level tests (numbers compared with PyTorch, across processes and ranks), not the
+# kernel matrix, with 2 torch threads in every process (docs/reproducibility.md): catches the
+# next assumption that one thread hides.
+ENGINE_TESTS := $(addprefix tests/test_,training_matches_torch zero offload checkpoints \
+	hf_models hf_torchrun engine_features aborts failures zeropp evaluation schedulers \
+	estimate cli deepspeed_config nvme trainability thread_world)
+test-threads: $(STAMP)
+	CHUNKMEM_TEST_THREADS=2 $(PY) -m pytest -q $(addsuffix .py,$(ENGINE_TESTS))
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

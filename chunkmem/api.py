@@ -21,6 +21,7 @@ from chunkmem.grads import GradStore
 from chunkmem.hooks import ModuleHooks
 from chunkmem.layout_update import UpdateBuilder, native_host_optimizer
 from chunkmem.ledger import WORKSPACE, Ledger
+from chunkmem.machine import HOST_SHARE, default_host_capacity, host_available_bytes
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
 from chunkmem.optimizer_states import OptimizerStates
@@ -214,13 +215,27 @@ def _check_lr_scheduler(
 
 
 def _tiers(config: Config, device, capacity: int) -> TierSet:
-    """The device, the host, and the NVMe tier when optimizer states go there."""
+    """The device, the host (its budget from the config, else this rank's share of the host
+    memory available: ``chunkmem.machine``), and the NVMe tier when optimizer states go
+    there."""
+    host_capacity = config.host.capacity
+    if host_capacity is None:
+        host_capacity = default_host_capacity()
+    else:
+        available = host_available_bytes()
+        if host_capacity > available:
+            raise CapacityError(
+                f"host.capacity is {host_capacity:,} bytes but this machine has "
+                f"{available:,} bytes of host memory available (psutil); the budget could "
+                f"only be met by swapping. Lower host.capacity, or leave it unset for "
+                f"{HOST_SHARE:.0%} of what is available, shared among this machine's ranks"
+            )
     others = []
     if config.offload.optimizer == "nvme":
         nvme = config.offload.nvme
         assert nvme.path is not None  # the config checks it
         others.append(NvmeTier(nvme.path, nvme.block_size, nvme.io_threads))
-    return TierSet(DeviceTier(device, capacity), HostTier(device, config.host.capacity), *others)
+    return TierSet(DeviceTier(device, capacity), HostTier(device, host_capacity), *others)
 
 
 def _reserve_offload(

@@ -261,6 +261,13 @@ def make_device(
             )
         return SimulatedDevice(), capacity
     device = CudaDevice(local_rank)
+    free = device.free_bytes()
     if capacity is None:
-        capacity = int(device.free_bytes() * 0.9)
+        capacity = int(free * 0.9)
+    elif capacity > free:
+        raise CapacityError(
+            f"device.capacity is {capacity:,} bytes but {device.torch_device} has {free:,} "
+            f"bytes free (other processes, or tensors this one made before initialize, hold "
+            f"the rest); lower device.capacity, or leave it unset for 90% of the free memory"
+        )
     return device, capacity

@@ -10,6 +10,7 @@ engine can carry on with the next batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import logging
 import math
@@ -30,6 +31,7 @@ from chunkmem.errors import CollectiveError, EngineUsageError, TierDataError
 from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
+from chunkmem.machine import gpu_memory, peak_rss_bytes
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, clip_coefficient
 from chunkmem.optimizer_states import OptimizerStates
@@ -570,6 +572,8 @@ class Engine:
     def run_summary(self) -> RunSummary:
         """What a report needs to know about this run besides the ledger."""
         homes = self.states.homes
+        device = self.residency.device.torch_device
+        gpu = gpu_memory(device.index or 0) if device.type == "cuda" else None
         return RunSummary(
             device_kind=self.residency.device.kind,
             precision=self.config.precision,
@@ -588,6 +592,8 @@ class Engine:
             divergences=self.tracer.divergences,
             config=self.config.model_dump(mode="json"),
             skipped_steps=self.scaler.skipped_steps,
+            peak_rss_bytes=peak_rss_bytes(),
+            gpu=None if gpu is None else dataclasses.asdict(gpu),
         )
 
     def close(self) -> None:

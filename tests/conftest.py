@@ -1,10 +1,13 @@
-"""Shared fixtures: deterministic seeds and one thread per process (2-core CI machines), and
-the skip of tests marked ``cuda`` on machines without a CUDA device."""
+"""Shared fixtures: deterministic seeds and the test thread count (one per process by default;
+see ``tests/thread_count.py``), and the skip of tests marked ``cuda`` on machines without a
+CUDA device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.thread_count import threads_per_process
 
 
 @pytest.fixture(autouse=True)
@@ -13,12 +16,12 @@ def _deterministic() -> None:
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread for every test: small models on a shared 2-core machine run 10-50x
-    faster than with threads fighting over the cores (results do not depend on it: the engine
-    and its reference run alike; tests of thread-count independence set their own)."""
+def test_thread_count():
+    """Every test runs at the test thread count (default 1: small models on a shared 2-core
+    machine run 10-50x faster than with threads fighting over the cores). Results may depend
+    on it on some CPUs, so children and ranks run at the same count (tests/thread_count.py)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_process())
     yield
     torch.set_num_threads(threads)
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.thread_count import threads_per_process
 from zero.comm import Communicator, init_world
 
 _CONTEXT = mp.get_context("forkserver")
@@ -128,7 +129,7 @@ def _rank_main(
     deadline_s: float,
     backend: str,
 ) -> None:
-    torch.set_num_threads(1)  # ranks share two cores
+    torch.set_num_threads(threads_per_process())  # the parent's count (tests/thread_count.py)
     local_rank = rank if backend == "nccl" else 0
     os.environ["LOCAL_RANK"] = str(local_rank)  # the GPU chunkmem.initialize picks
     try:

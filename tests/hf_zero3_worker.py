@@ -11,6 +11,7 @@ import torch
 
 import chunkmem
 from tests.hf_helpers import batches, causal_lm_loss, llama, state_bytes
+from tests.thread_count import threads_per_process
 
 LR = 1e-4
 STEPS = 10
@@ -35,7 +36,7 @@ def rank_batches(rank: int, world: int) -> list[tuple]:
 
 
 def main(out: str) -> None:
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_process())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     model = llama()
     engine = chunkmem.initialize(

@@ -25,6 +25,7 @@ from chunkmem.errors import CheckpointError, EngineUsageError
 from chunkmem.models.gpt import GPT, GPTConfig
 from tests.distributed_helpers import run_ranks
 from tests.reference import max_relative_diff
+from tests.thread_count import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
@@ -616,6 +617,7 @@ def test_a_save_killed_with_sigkill_leaves_the_last_checkpoint_loadable(where, t
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(tmp_path), where],
         cwd=ROOT,
+        env=child_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
     )

@@ -4,7 +4,6 @@ consolidate in one process, and 2 ranks stopped by SIGTERM then resumed."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -27,8 +26,7 @@ from chunkmem.errors import (
     OutOfMemoryError,
     TierFullError,
 )
-
-pytestmark = pytest.mark.usefixtures("one_thread")
+from tests.thread_count import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -162,6 +160,10 @@ def test_train_checkpoints_resumes_reports_and_consolidates(
     out = capsys.readouterr().out
     assert "held-out loss" in out and "sample: " in out and "report (html)" in out
     assert [m["step"] for m in _metrics(run)] == [1, 2, 3, 4, 5, 6]
+    rss = [m["rss_bytes"] for m in _metrics(run)]  # the operating system's, per step
+    assert all(100 << 20 < value < psutil.Process().memory_info().rss * 2 for value in rss)
+    trace = json.loads((run / "report" / "memory_trace.json").read_text())
+    assert trace["summary"]["peak_rss_bytes"] >= max(rss)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000003", "step_000006"]
     assert (run / "report" / "memory_trace.html").is_file()
 
@@ -234,7 +236,7 @@ def test_estimate_prints_a_table_and_json(capsys: pytest.CaptureFixture) -> None
 
 def _spawn_train(run: Path, *extra: str) -> subprocess.Popen:
     command = [sys.executable, "-m", "chunkmem", "train", *TINY, "--out", str(run), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = child_env()
     return subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

@@ -205,3 +205,16 @@ def test_gpt_larger_than_the_gpu_matches_plain_pytorch_on_it(precision: str) -> 
     ours = {k: v for k, v in ours.items() if k in masters}
     assert max_relative_diff(ours, masters) <= TOLERANCE[precision]
     assert scaler_skips == reference.skipped_steps
+
+
+def test_a_capacity_above_the_free_gpu_memory_is_refused_with_the_numbers() -> None:
+    free, _total = torch.cuda.mem_get_info()
+    model = torch.nn.Linear(8, 8)
+    with pytest.raises(chunkmem.errors.CapacityError, match=r"device.capacity is .* bytes free"):
+        chunkmem.initialize(
+            model, config={"device": {"type": "cuda", "capacity": free + (1 << 30)}}
+        )
+    from chunkmem.machine import gpu_memory
+
+    gpu = gpu_memory(torch.cuda.current_device())
+    assert gpu is not None and gpu.total_bytes >= free and 0 <= gpu.utilization_percent <= 100

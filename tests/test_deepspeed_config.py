@@ -18,8 +18,6 @@ from chunkmem.errors import ConfigError
 from chunkmem.models.gpt import GPT, GPTConfig
 from tests.distributed_helpers import run_ranks
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 MICRO_BATCH = 2
 ACCUMULATION = 2

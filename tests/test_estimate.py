@@ -16,8 +16,6 @@ from chunkmem.config import Config
 from chunkmem.estimate import estimate
 from tests.distributed_helpers import run_ranks
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 CAPACITY = 1 << 30
 SMALL = {"layers": 2, "width": 64, "seq": 32}
 

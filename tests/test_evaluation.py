@@ -12,8 +12,6 @@ import chunkmem
 from chunkmem.models.gpt import GPT, GPTConfig
 from tests.reference import token_batches, train_engine
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SMALL = GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=2, n_embd=32)
 
 

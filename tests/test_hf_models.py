@@ -25,9 +25,6 @@ STEPS = 10
 OPTIMIZER_KINDS = {ChunkKind.MASTER.value, ChunkKind.EXP_AVG.value, ChunkKind.EXP_AVG_SQ.value}
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
-
 def train(engine, data, loss_fn=causal_lm_loss) -> list[float]:
     losses = []
     for batch in data:

@@ -6,7 +6,6 @@ tests/hf_zero3_worker.py)."""
 from __future__ import annotations
 
 import copy
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ pytest.importorskip("transformers")
 from tests.hf_helpers import causal_lm_loss, llama  # noqa: E402
 from tests.hf_zero3_worker import LR, STEPS, rank_batches  # noqa: E402
 from tests.reference import max_relative_diff  # noqa: E402
+from tests.thread_count import child_env  # noqa: E402
 
 WORLD = 2
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,7 +56,7 @@ def global_batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_llama_at_zero3_under_torchrun_matches_the_summed_reference_bit_for_bit(tmp_path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc-per-node={WORLD}", "-m", "tests.hf_zero3_worker", str(tmp_path),
@@ -65,7 +65,6 @@ def test_llama_at_zero3_under_torchrun_matches_the_summed_reference_bit_for_bit(
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     result = torch.load(tmp_path / "rank0.pt")
     assert result["world"] == WORLD
-    torch.set_num_threads(1)
     model = llama()
     expected = summed_rank_gradients(model)
     state = result["state"]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
 import chunkmem
 from tests.reference import train_engine
-
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class SharedBias(nn.Module):

@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import kernels
 from kernels import QuantizedTensor, reference, slice_numel
 from tests.kernels_helpers import U, assert_same_bits, per_element
+from tests.thread_count import threads_per_process
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -113,7 +114,7 @@ def _worker(rank: int, init_file: str) -> None:
         world_size=WORLD,
         timeout=timedelta(seconds=60),
     )
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads_per_process())
     node, local = divmod(rank, PER_NODE)
     # Every rank creates every group, in the same order.
     intra_groups = [

@@ -80,6 +80,31 @@ def test_states_off_the_device_match_torch_adamw(where: str, tmp_path) -> None:
     engine.close()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_native_host_optimizer_on_several_threads_matches_torch_adamw(precision) -> None:
+    """The host update's OpenMP threads split the elements, never a sum: the same bits as
+    torch's fused AdamW at 2 host threads and 2 torch threads, the reference at 2 too
+    (docs/reproducibility.md)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        data = batches(8, rows=8)
+        expected = train_torch(make_model(), data, precision=precision)
+        engine = initialize(
+            make_model(),
+            precision=precision,
+            device=DEVICE,
+            offload={"optimizer": "host", "optimizer_threads": 2},
+        )
+        assert engine.optimizer.updates.host_threads == 2
+        train_engine(engine, data)
+        assert max_rel_diff(trainable(engine.state_dict()), trainable(expected)) == 0.0
+        assert set(engine.run_summary().optimizer_state_homes) == {"host"}
+        engine.close()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_states_on_nvme_under_a_host_budget_smaller_than_the_states_match_torch_adamw(
     tmp_path,
 ) -> None:
@@ -301,12 +326,12 @@ def zero_rank(comm, steps: int, stage: int, offload: dict) -> dict:
 @pytest.mark.distributed
 @pytest.mark.timeout(180)
 def test_zero2_on_two_ranks_with_states_on_the_host_and_overlap_matches_torch_adamw() -> None:
-    """Bit for bit, with the reference on one thread as the ranks are: torch's CPU LayerNorm
-    backward sums its weight and bias gradients over rows in an order that depends on the
-    thread count."""
+    """Bit for bit, with the reference at the ranks' thread count (tests/thread_count.py):
+    torch's CPU LayerNorm backward sums its weight and bias gradients over rows in an order
+    that depends on the thread count."""
     offload = {"optimizer": "host", "overlap": True}
     results = run_ranks(zero_rank, 2, STEPS, 2, offload, timeout_s=30, deadline_s=150)
-    expected = train_torch_on_one_thread(STEPS)
+    expected = train_torch(make_model(), batches(STEPS, rows=8), ranks=2)
     for rank, result in enumerate(results):
         assert max_rel_diff(result["state"], expected) <= TOLERANCE, rank
         assert max_rel_diff(result["state"], expected) == 0.0, rank
@@ -325,18 +350,9 @@ def test_zero_stages_1_and_3_with_states_on_nvme_and_overlap_match_torch_adamw(
     steps = 8
     offload = {"overlap": True, **nvme(tmp_path)}
     results = run_ranks(zero_rank, 2, steps, stage, offload, timeout_s=30, deadline_s=150)
-    expected = train_torch_on_one_thread(steps)
+    expected = train_torch(make_model(), batches(steps, rows=8), ranks=2)
     for rank, result in enumerate(results):
         assert max_rel_diff(result["state"], expected) == 0.0, rank
         assert set(result["homes"]) == {"nvme"}
         assert result["started"] >= steps - 2
     assert list(tmp_path.iterdir()) == [], "each rank's close removed its files"
-
-
-def train_torch_on_one_thread(steps: int) -> dict[str, torch.Tensor]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return train_torch(make_model(), batches(steps, rows=8), ranks=2)
-    finally:
-        torch.set_num_threads(threads)

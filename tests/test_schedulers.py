@@ -17,8 +17,6 @@ from chunkmem.models.gpt import GPT, GPTConfig
 from chunkmem.schedulers import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from tests.reference import token_batches
 
-pytestmark = pytest.mark.usefixtures("one_thread")
-
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 DEVICE = {"type": "simulated", "capacity": "4MiB"}
 

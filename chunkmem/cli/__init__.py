@@ -109,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     estimate.add_argument(
         "--device-memory", metavar="BYTES",
-        help="device memory per rank, e.g. 80GiB (default: device.capacity)",
+        help="device memory per rank, e.g. 80GiB (default: device.capacity from --config or "
+        "--set, else the memory of the GPU present, else the embedded demo's capacity)",
     )  # fmt: skip
     estimate.add_argument(
         "--host-memory", metavar="BYTES",

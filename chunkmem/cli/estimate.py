@@ -14,6 +14,7 @@ from chunkmem.cli.exit_codes import ExitCode
 from chunkmem.cli.settings import ModelSettings, load
 from chunkmem.errors import ConfigError
 from chunkmem.estimate import Estimate, estimate
+from chunkmem.machine import gpu_memory
 
 _SEARCH_LIMIT = 1 << 20
 _INTEGER = (int, int | None)
@@ -25,7 +26,13 @@ def run_estimate(args: argparse.Namespace) -> int:
         overrides.append(f"model.build={args.model}")
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 1))
     settings, config = load(args.config, overrides, world_size)
-    device = _bytes("--device-memory", args.device_memory, config.device.capacity)
+    device = _bytes("--device-memory", args.device_memory, None)
+    if device is None:
+        chosen = args.config is not None or any(o.startswith("device.capacity=") for o in overrides)
+        if not chosen and config.device.type != "simulated":
+            device = _gpu_present(args.json)  # rather than the demo's embedded capacity
+        if device is None:
+            device = config.device.capacity
     host = _bytes("--host-memory", args.host_memory, config.host.capacity)
 
     def estimate_for(model: ModelSettings) -> Estimate:
@@ -49,6 +56,19 @@ def run_estimate(args: argparse.Namespace) -> int:
     result = estimate_for(settings.model)
     print(json.dumps(result.as_dict(), indent=1) if args.json else render(result))
     return int(ExitCode.OUT_OF_MEMORY if result.trains is False else ExitCode.OK)
+
+
+def _gpu_present(quiet: bool) -> int | None:
+    """The memory of the GPU this machine has (NVML), when none was given; says so."""
+    gpu = gpu_memory(0)
+    if gpu is None:
+        return None
+    if not quiet:
+        print(
+            f"device memory: {_size(gpu.total_bytes)} of GPU {gpu.index} ({gpu.name}), read "
+            f"from the driver; --device-memory sets another"
+        )
+    return gpu.total_bytes
 
 
 def _bytes(flag: str, text: str | None, default: int | None) -> int | None:

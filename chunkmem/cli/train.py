@@ -41,6 +41,7 @@ from chunkmem.cli.progress import Progress, StepStats, mib
 from chunkmem.cli.settings import RunSettings, settings_document
 from chunkmem.config import Config
 from chunkmem.errors import CheckpointError, ConfigError
+from chunkmem.machine import GpuMemory, gpu_memory, rss_bytes
 
 CHECKPOINT_PREFIX = "step_"
 LATEST = "latest"
@@ -238,6 +239,12 @@ class TrainingRun:
             wire_bytes=comm.ledger.bytes_sent(tag=iteration) if comm is not None else 0,
         )
 
+    def _gpu(self) -> GpuMemory | None:
+        """The GPU this rank computes on, as the driver sees it (None off CUDA)."""
+        assert self.engine is not None
+        device = self.engine.residency.device.torch_device
+        return gpu_memory(device.index or 0) if device.type == "cuda" else None
+
     def _append_metrics(self, stats: StepStats, elapsed_s: float) -> None:
         if self.rank != 0:
             return
@@ -249,8 +256,13 @@ class TrainingRun:
             "host_bytes": stats.host_bytes,
             "moved_bytes": stats.moved_bytes,
             "wire_bytes": stats.wire_bytes,
+            "rss_bytes": rss_bytes(),
             "elapsed_s": round(elapsed_s, 3),
         }
+        gpu = self._gpu()
+        if gpu is not None:  # the driver's view: every process on the GPU, not the ledger's
+            line["gpu_used_bytes"] = gpu.used_bytes
+            line["gpu_utilization_percent"] = gpu.utilization_percent
         with open(self.metrics_path, "a") as file:
             file.write(json.dumps(line) + "\n")
 

@@ -35,4 +35,8 @@ def headline(document: dict[str, Any]) -> dict[str, Any]:
         "optimizer_state_homes": summary["optimizer_state_homes"],
         "chunk_size_elements": summary["chunks"]["chunk_size_elements"],
         "layouts": summary["chunks"]["layouts"],
+        # The operating system's and the driver's numbers, beside the ledger's (reports
+        # written before they were recorded have none).
+        "peak_rss_bytes": summary.get("peak_rss_bytes"),
+        "gpu": summary.get("gpu"),
     }

@@ -116,7 +116,22 @@ def _summary_section(summary: dict[str, Any]) -> str:
             else ", ".join(f"{tier} {count}" for tier, count in homes.items()),
         ),
         ("gradient slots repaired", ", ".join(summary["repaired_grad_slots"]) or "none"),
+        (
+            "process peak RSS (operating system)",
+            "not recorded"
+            if summary.get("peak_rss_bytes") is None
+            else _bytes_text(summary["peak_rss_bytes"]),
+        ),
     ]
+    gpu = summary.get("gpu")
+    if gpu is not None:
+        run.append(
+            (
+                f"GPU {gpu['index']} ({gpu['name']}, driver's view)",
+                f"{_bytes_text(gpu['used_bytes'])} used of {_bytes_text(gpu['total_bytes'])}, "
+                f"{gpu['utilization_percent']}% busy",
+            )
+        )
     layout = [
         ("chunk size (elements)", chunks["chunk_size_elements"]),
         ("chunk groups (layouts)", chunks["layouts"]),

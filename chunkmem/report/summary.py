@@ -28,3 +28,7 @@ class RunSummary:
     config: dict[str, Any] = field(default_factory=dict)
     # Steps not taken: fp16 overflows, and non-finite gradients under ``nonfinite: skip``.
     skipped_steps: int = 0
+    # Measured by the operating system and the driver, not the ledger (chunkmem.machine): the
+    # process's highest RSS, and the GPU's memory and utilisation when there is one.
+    peak_rss_bytes: int = 0
+    gpu: dict[str, Any] | None = None
