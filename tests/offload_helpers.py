@@ -133,13 +133,15 @@ def round_moments_to_bf16(optimizer: torch.optim.Optimizer) -> None:
             state[key].copy_(state[key].bfloat16())
 
 
-def initialize(model: nn.Module, **config) -> object:
+def initialize(model: nn.Module, comm=None, **config) -> object:
+    """An engine with the two parameter groups; a rank of ``comm``'s world when given."""
     import chunkmem
 
     return chunkmem.initialize(
         model,
         optimizer=torch.optim.AdamW(param_groups(model)),
         config={"chunk": {"size": CHUNK}, **config},
+        comm=comm,
     )
 
 

@@ -9,6 +9,7 @@ one rank fails, the others get a CollectiveError within the timeout instead of a
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -18,7 +19,7 @@ from torch import nn
 
 import chunkmem
 from chunkmem.errors import CollectiveError, EngineUsageError
-from tests.distributed_helpers import run_ranks
+from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 
 WIDTH = 16
 DEPTH = 6
@@ -69,10 +70,14 @@ def batches(world: int = 1, rank: int = 0) -> list[tuple[torch.Tensor, torch.Ten
     return [(x[rank * 4 : rank * 4 + 4], y[rank * 4 : rank * 4 + 4]) for x, y in data]
 
 
-def make_engine(stage: int = 0, **config) -> chunkmem.Engine:
-    torch.manual_seed(0)
+def make_engine(stage: int = 0, comm=None, **config) -> chunkmem.Engine:
+    """One process (``stage`` 0) or a rank of ``comm``'s world (its groups' timeout applies)."""
+    with contextlib.nullcontext() if comm is None else one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = Net()
     return chunkmem.initialize(
-        Net(),
+        model,
+        comm=comm,
         config={
             "device": {"type": "simulated", "capacity": "1MiB"},
             "chunk": {"size": 320},  # a layout per layer or so: several reductions in flight
@@ -167,10 +172,13 @@ def test_a_step_that_fails_half_way_stops_the_engine_and_says_why(monkeypatch) -
 
 
 # ---------------------------------------------------------------- two ranks
+DISTRIBUTED = pytest.mark.distributed
+
+
 def rank_run(comm, stage: int, failing_ranks: tuple[int, ...] | None) -> dict:
     """Train STEPS batches of this rank's slice; batch FAIL_AT raises in backward on
     ``failing_ranks`` (None: every rank skips it)."""
-    engine = make_engine(stage, offload={"optimizer": "host"})
+    engine = make_engine(stage, comm, offload={"optimizer": "host"})
     data = batches(comm.size, comm.rank)
     outcome: dict = {"held_after_failure": None, "collective_error_after_s": None}
     for index, batch in enumerate(data):
@@ -200,26 +208,31 @@ def rank_run(comm, stage: int, failing_ranks: tuple[int, ...] | None) -> dict:
     return outcome
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage", [2, 3])
 def test_backward_failing_on_every_rank_leaves_the_ranks_in_step(stage: int) -> None:
-    failed = run_ranks(rank_run, 2, stage, (0, 1), timeout_s=5, deadline_s=90)
-    skipped = run_ranks(rank_run, 2, stage, None, timeout_s=5, deadline_s=90)
+    failed = run_threads(rank_run, 2, stage, (0, 1), timeout_s=5)
+    skipped = run_threads(rank_run, 2, stage, None, timeout_s=5)
     for rank in range(2):
         assert failed[rank]["held_after_failure"] is False
         for name, value in skipped[rank]["state"].items():
             assert torch.equal(failed[rank]["state"][name], value), (rank, name)
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_backward_failing_on_one_rank_gives_the_other_a_collective_error(stage: int) -> None:
-    results = run_ranks(rank_run, 2, stage, (1,), timeout_s=5, deadline_s=90)
+@pytest.mark.parametrize(
+    ("stage", "world"), [(2, "threads"), (3, "threads"), pytest.param(3, "gloo", marks=DISTRIBUTED)]
+)
+def test_backward_failing_on_one_rank_gives_the_other_a_collective_error(
+    stage: int, world: str
+) -> None:
+    timeout_s = 1.0 if world == "threads" else 3.0
+    run = run_threads if world == "threads" else run_ranks
+    results = run(rank_run, 2, stage, (1,), timeout_s=timeout_s)
     assert results[1]["held_after_failure"] is False
     waited = results[0]["collective_error_after_s"]
     assert waited is not None, "rank 0 trained on without its peer"
-    # The timeout, then at most as long again to ask the peer where it is.
-    assert waited < 5 * 2 + 2, f"rank 0 waited {waited:.1f} s for a 5 s timeout"
+    # The timeout, then the short question to the peer, and collectives still in flight
+    # fail at once (zero/comm.py).
+    assert waited < timeout_s + 1.0, f"rank 0 waited {waited:.1f} s for a {timeout_s} s timeout"
     assert results[0]["stopped"], "a failed collective must stop the engine"

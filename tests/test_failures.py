@@ -244,7 +244,7 @@ def test_fp16_stuck_at_the_minimum_loss_scale_raises() -> None:
 # ---------------------------------------------------------------- 6. desynchronized ranks
 def desynchronized_rank(comm, stage: int) -> dict:
     """Rank 1 raises in backward at batch FAIL_AT, catches it and carries on."""
-    engine = make_engine(stage)
+    engine = make_engine(stage, comm)
     data = batches(comm.size, comm.rank)
     started = None
     try:
@@ -263,15 +263,22 @@ def desynchronized_rank(comm, stage: int) -> dict:
     return {"error": None}
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_rank_that_carries_on_after_an_exception_is_caught_on_every_rank(stage: int) -> None:
-    results = run_ranks(desynchronized_rank, 2, stage, timeout_s=5, deadline_s=90)
+@pytest.mark.parametrize(
+    ("stage", "world"), [(3, "threads"), pytest.param(2, "gloo", marks=pytest.mark.distributed)]
+)
+def test_a_rank_that_carries_on_after_an_exception_is_caught_on_every_rank(
+    stage: int, world: str
+) -> None:
+    """On gloo the rings' tags never match and the wait times out; in the in-process world the
+    meeting sees the two identities at once. Either way every rank names both sides."""
+    timeout_s = 3.0
+    run = run_threads if world == "threads" else run_ranks
+    results = run(desynchronized_rank, 2, stage, timeout_s=timeout_s)
     for rank, result in enumerate(results):
         assert result["error"] is not None, f"rank {rank} trained on out of step"
         assert "ranks are out of step" in result["error"], result["error"]
-        assert result["after_s"] < 5 * 2 + 3, result
+        assert result["after_s"] < timeout_s + 1.5, result
     assert "rank 0 is at collective" in results[0]["error"]
     assert "rank 1 is at collective" in results[0]["error"]
 

@@ -1,13 +1,16 @@
-"""ZeRO stages 1-3 on 2 and 4 gloo ranks: numerics, model-state bytes, communication volume.
+"""ZeRO stages 1-3 on 2 and 4 ranks: numerics, model-state bytes, communication volume.
 
 Every rank trains its slice of a global batch; the result must equal single-process training
 on the global batch, the ledger's per-rank model-state bytes must equal the ZeRO formulas and
-the communication ledger's all-gather + reduce-scatter volume per step must equal theory.
+the communication ledger's all-gather + reduce-scatter volume per step must equal theory. The
+matrix runs on the in-process world (``zero.thread_world``: the same collectives, ledger and
+bits, no processes); gloo ranks run the integration cases and must give the same bits.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 
 import pytest
@@ -17,13 +20,13 @@ import chunkmem
 from chunkmem.chunk import ChunkKind
 from chunkmem.errors import ConfigError
 from chunkmem.models.gpt import GPT, GPTConfig
-from tests.distributed_helpers import run_ranks
+from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from tests.reference import max_relative_diff, train_reference
 from zero.comm import CollectiveError
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 LOCAL_BATCH = 2
-STEPS = 20
+STEPS = 10
 CHUNK = 2048
 # (param, grad, optimizer-state) bytes per element: 16-bit compute copy + fp32 master and
 # moments, or fp32 throughout (the parameter is its own master).
@@ -58,10 +61,12 @@ def train_rank(
 ) -> dict:
     """One rank: train STEPS steps on its slice; report state, bytes and volume. ``device`` is
     the config's device section (default: a simulated device of 64 MiB)."""
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
     engine = chunkmem.initialize(
         model,
+        comm=comm,
         config={
             "precision": precision,
             "device": device or {"type": "simulated", "capacity": "64MiB"},
@@ -95,6 +100,7 @@ def train_rank(
     }
 
 
+@functools.cache
 def reference(
     world: int, precision: str, accumulation: int, device: str = "cpu"
 ) -> dict[str, torch.Tensor]:
@@ -134,27 +140,41 @@ def check(
         assert result["volume"] == passes * elements * (world - 1) // world
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_zero_stages_match_single_process_fp32(world: int) -> None:
     for stage in (1, 2, 3):
         for accumulation in (1, 2):
-            results = run_ranks(
-                train_rank, world, stage, "fp32", accumulation, timeout_s=30, deadline_s=240
-            )
+            results = run_threads(train_rank, world, stage, "fp32", accumulation, timeout_s=30)
             check(results, stage, "fp32", world, accumulation)
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_zero_stages_match_single_process_bf16() -> None:
     for stage in (1, 2, 3):
         for accumulation in (1, 2):
-            results = run_ranks(
-                train_rank, 2, stage, "bf16", accumulation, timeout_s=30, deadline_s=240
-            )
+            results = run_threads(train_rank, 2, stage, "bf16", accumulation, timeout_s=30)
             check(results, stage, "bf16", 2, accumulation)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("world", "stage", "precision", "accumulation"), [(2, 3, "bf16", 2), (4, 2, "fp32", 1)]
+)
+def test_gloo_ranks_train_as_the_in_process_world_bit_for_bit(
+    world: int, stage: int, precision: str, accumulation: int
+) -> None:
+    """The real transport (gloo rings, processes): the same bits, bytes and volume."""
+    gloo = run_ranks(
+        train_rank, world, stage, precision, accumulation, timeout_s=30, deadline_s=240
+    )
+    threads = run_threads(train_rank, world, stage, precision, accumulation, timeout_s=30)
+    check(gloo, stage, precision, world, accumulation)
+    for rank in range(world):
+        state, expected = gloo[rank].pop("state"), threads[rank].pop("state")
+        assert all(torch.equal(state[k], expected[k]) for k in expected), rank
+        assert gloo[rank] == threads[rank], rank
 
 
 def whole_gradient_peak(comm, stage: int) -> tuple[int, int]:

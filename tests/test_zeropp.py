@@ -1,4 +1,5 @@
-"""ZeRO++ in the engine, on 4 gloo ranks as 2 nodes x 2 (``zero.node_size: 2``).
+"""ZeRO++ in the engine, on 4 ranks as 2 nodes x 2 (``zero.node_size: 2``): the in-process world
+(``zero.thread_world``), and gloo ranks for the headline test.
 
 Per step, every rank's cross-node and intra-node bytes from the communication ledger must equal
 the formula of docs/zeropp.md for plain stage 3, each technique alone and all three (scales
@@ -22,7 +23,7 @@ from chunkmem.chunk import ChunkKind
 from chunkmem.models.gpt import GPT, GPTConfig
 from chunkmem.report.memory_trace import build_memory_trace
 from kernels.quantized import data_nbytes, num_groups
-from tests.distributed_helpers import run_ranks
+from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from zero.gather import Then
 from zero.wire import packed_nbytes
 
@@ -105,12 +106,15 @@ def _record_gathers(engine, log: dict) -> None:
 
 
 def train(comm, model: str, precision: str, zero: dict, blocks: int | None, accumulation: int):
-    torch.manual_seed(0)
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        module = _model(model)
     sizes = {} if blocks is None else {
         "quantized_weights_block_size": blocks, "quantized_gradients_block_size": blocks,
     }  # fmt: skip
     engine = chunkmem.initialize(
-        _model(model),
+        module,
+        comm=comm,
         config={
             "precision": precision,
             "device": {"type": "simulated", "capacity": "64MiB"},
@@ -243,7 +247,6 @@ def _check(results, precision: str, zero: dict, blocks: int, plain_losses=None) 
                 assert abs(ours - theirs) <= 0.02 * theirs, (rank, result["losses"], plain_losses)
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_cross_node_bytes_per_step_equal_the_formula(precision: str) -> None:
@@ -254,9 +257,7 @@ def test_cross_node_bytes_per_step_equal_the_formula(precision: str) -> None:
     ]  # fmt: skip
     plain = None
     for zero in configs:
-        results = run_ranks(
-            train, WORLD, "odd", precision, zero, ODD_BLOCK, 1, timeout_s=30, deadline_s=120
-        )
+        results = run_threads(train, WORLD, "odd", precision, zero, ODD_BLOCK, 1, timeout_s=30)
         _check(results, precision, zero, ODD_BLOCK, plain and [r["losses"] for r in plain])
         if zero is PLAIN:
             plain = results
@@ -281,15 +282,14 @@ def test_full_zeropp_sends_at_most_026_of_stage3_cross_node_bytes() -> None:
     assert ratio <= 0.26, ratio
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_accumulation_crosses_nodes_once_per_step() -> None:
     """With 2 micro-batches, the second forward gathers from the hpZ secondaries and qgZ
     reduces once: a step sends the same cross-node bytes as without accumulation. hpZ alone
     still trains exactly like plain stage 3."""
-    plain = run_ranks(train, WORLD, "odd", "bf16", PLAIN, ODD_BLOCK, 2, timeout_s=30)
-    _same_training(run_ranks(train, WORLD, "odd", "bf16", HPZ, ODD_BLOCK, 2, timeout_s=30), plain)
-    results = run_ranks(train, WORLD, "odd", "bf16", ALL, ODD_BLOCK, 2, timeout_s=30)
+    plain = run_threads(train, WORLD, "odd", "bf16", PLAIN, ODD_BLOCK, 2, timeout_s=30)
+    _same_training(run_threads(train, WORLD, "odd", "bf16", HPZ, ODD_BLOCK, 2, timeout_s=30), plain)
+    results = run_threads(train, WORLD, "odd", "bf16", ALL, ODD_BLOCK, 2, timeout_s=30)
     for rank, result in enumerate(results):
         want = expected(rank, result["capacities"], "bf16", ALL, ODD_BLOCK)
         measured = _measured(result)
@@ -300,13 +300,14 @@ def test_accumulation_crosses_nodes_once_per_step() -> None:
         assert intra_fwd == want[("all_gather", "fwd")][0] + sum(result["capacities"]) // 2 * 2
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_qgz_reduces_stage2_gradients() -> None:
     """qgZ is the gradient reduction of any stage: at stage 2 it trains like plain stage 3 and
     its all-to-alls send what the formula says; the updated shards are gathered at the step."""
-    plain = run_ranks(train, WORLD, "odd", "bf16", PLAIN, ODD_BLOCK, 1, timeout_s=30)
-    stage2 = run_ranks(train, WORLD, "odd", "bf16", {"stage": 2, **QGZ}, ODD_BLOCK, 1, timeout_s=30)
+    plain = run_threads(train, WORLD, "odd", "bf16", PLAIN, ODD_BLOCK, 1, timeout_s=30)
+    stage2 = run_threads(
+        train, WORLD, "odd", "bf16", {"stage": 2, **QGZ}, ODD_BLOCK, 1, timeout_s=30
+    )
     for rank, result in enumerate(stage2):
         want = expected(rank, result["capacities"], "bf16", QGZ, ODD_BLOCK)
         measured = _measured(result)
@@ -322,9 +323,12 @@ def test_qgz_reduces_stage2_gradients() -> None:
 
 def train_through_a_failure(comm, fail: bool) -> dict:
     """Full ZeRO++; batch 2's backward raises on every rank (``fail``) or batch 2 is skipped."""
-    torch.manual_seed(0)
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        module = OddSizes()
     engine = chunkmem.initialize(
-        OddSizes(),
+        module,
+        comm=comm,
         config={
             "precision": "bf16",
             "device": {"type": "simulated", "capacity": "64MiB"},
@@ -348,14 +352,13 @@ def train_through_a_failure(comm, fail: bool) -> dict:
     return engine.state_dict()
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_a_failed_backward_under_zeropp_changes_nothing() -> None:
     """Quantized reductions and gathers in flight are waited for and release their buffers and
     pins, the secondaries are dropped, and training goes on exactly as if the batch had been
     skipped."""
-    failed = run_ranks(train_through_a_failure, WORLD, True, timeout_s=30)
-    skipped = run_ranks(train_through_a_failure, WORLD, False, timeout_s=30)
+    failed = run_threads(train_through_a_failure, WORLD, True, timeout_s=30)
+    skipped = run_threads(train_through_a_failure, WORLD, False, timeout_s=30)
     for ours, theirs in zip(failed, skipped, strict=True):
         for name, value in theirs.items():
             assert torch.equal(ours[name], value), name

@@ -22,6 +22,12 @@ communicator's contract allows a transport. A member that never comes (its threa
 ended) makes the others time out at the group's timeout, and the error says which members
 were missing and whether their thread has ended.
 
+What may differ from gloo ranks is timing, and so what the engine decides by it: a collective
+here is complete once every member has deposited, which waits for the peers' threads to get
+the GIL, so reductions and prefetched gathers retire at other moments and a device peak can
+differ (never a value, a byte on the wire or a model-state byte count). Peaks are measured on
+gloo ranks (``tests/test_estimate.py``).
+
 Threads share the process's global state: torch's random generator (build each rank's model
 under :meth:`ThreadWorld.serial` after seeding), its thread count, and the GIL.
 """
