@@ -26,8 +26,9 @@ demo: $(STAMP)
 	$(VENV)/bin/chunkmem train --out runs/demo --set train.checkpoint_every=250
 	$(VENV)/bin/chunkmem train --out runs/demo-resumed --resume runs/demo/checkpoints/step_000250
 
+# One worker per core (pytest-xdist): the tests run one torch thread each.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 # The engine-level tests (numbers compared with PyTorch, across processes and ranks), not the
 # kernel matrix, with 2 torch threads in every process (docs/reproducibility.md): catches the
@@ -36,7 +37,7 @@ ENGINE_TESTS := $(addprefix tests/test_,training_matches_torch zero offload chec
 	hf_models hf_torchrun engine_features aborts failures zeropp evaluation schedulers \
 	estimate cli deepspeed_config nvme trainability thread_world)
 test-threads: $(STAMP)
-	CHUNKMEM_TEST_THREADS=2 $(PY) -m pytest -q $(addsuffix .py,$(ENGINE_TESTS))
+	CHUNKMEM_TEST_THREADS=2 $(PY) -m pytest -q -n auto $(addsuffix .py,$(ENGINE_TESTS))
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
