@@ -93,7 +93,7 @@ def build(name: str, setup: dict):
                 },
             },
         )
-        setup["chunk_size"] = engine.chunk_choice.size
+        setup["chunk_size"] = engine.chunk_choice.trainable.size
 
         def step(x, y):
             loss = engine(x, y)

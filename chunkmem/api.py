@@ -25,13 +25,23 @@ from chunkmem.machine import HOST_SHARE, default_host_capacity, host_available_b
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
 from chunkmem.optimizer_states import OptimizerStates
-from chunkmem.packing import ChunkSizeChoice, padding_for, search_chunk_size
+from chunkmem.packing import padding_for
 from chunkmem.params import ParamStore
 from chunkmem.placement import Placement
 from chunkmem.residency import Residency
 from chunkmem.saved_tensors import ActivationCounter
 from chunkmem.schedulers import build_scheduler
 from chunkmem.sharding import Strategy
+from chunkmem.sizing import (
+    ALIGNMENT_ELEMENTS,
+    COMPUTE_DTYPES,
+    STATE_DTYPES,
+    ChunkSizes,
+    choose_chunk_sizes,
+    chunks_move,
+    moment_floor_bytes,
+    separate_grads,
+)
 from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
 from offload.nvme import NvmeTier
@@ -41,11 +51,6 @@ if TYPE_CHECKING:
     from zero.comm import Communicator
 
 _log = logging.getLogger("chunkmem")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_ALIGNMENT = 64  # elements: every chunk is a whole number of cache lines in any dtype
-_MIN_CHUNKS = 16
-_MAX_CHUNK_ELEMENTS = 1 << 25  # 32 Mi elements, PatrickStar's default chunk
 
 
 def initialize(
@@ -101,7 +106,7 @@ def initialize(
         comm = _join_world(config)
     local_rank = int(os.environ.get("LOCAL_RANK", comm.rank)) if comm else None
     device, capacity = make_device(config.device.type, config.device.capacity, local_rank)
-    compute_dtype = _DTYPES[config.precision]
+    compute_dtype = COMPUTE_DTYPES[config.precision]
     mixed = config.precision != "fp32"
     world_size = comm.size if comm else 1
     _say_if_dtypes_change(named, compute_dtype, config.precision)
@@ -110,29 +115,31 @@ def initialize(
     unique = list(dict.fromkeys(p for _n, p in named))
     trainable = [p for p in unique if p.requires_grad]
     frozen = [p for p in unique if not p.requires_grad]
-    choice = _chunk_size(
+    trainable_numels = [p.numel() for p in trainable]
+    frozen_numels = [p.numel() for p in frozen]
+    sharded = comm is not None
+    choice = choose_chunk_sizes(
         config,
         capacity,
         compute_dtype,
-        trainable,
-        frozen,
-        math.lcm(_ALIGNMENT, world_size),
-        # Offloaded states are updated (and overlapped) a chunk group at a time.
-        chunks_move=comm is not None
-        or config.offload.optimizer in ("host", "nvme")
-        or not _states_fit(capacity, compute_dtype, trainable, frozen),
+        trainable_numels,
+        frozen_numels,
+        math.lcm(ALIGNMENT_ELEMENTS, world_size),
+        chunks_move(config, sharded, capacity, compute_dtype, trainable_numels, frozen_numels),
     )
-    separate_grads = not mixed or config.gradient_accumulation_steps > 1 or comm is not None
-    _check_capacity(capacity, choice.size, unique, compute_dtype, separate_grads)
+    grads_apart = separate_grads(config.precision, config.gradient_accumulation_steps, sharded)
+    _check_capacity(capacity, choice, trainable_numels, frozen_numels, compute_dtype, grads_apart)
     strategy = Strategy()
     if comm is not None:
         from zero.setup import check_ranks_agree, fingerprint
         from zero.strategy import ZeroStrategy
 
-        check_ranks_agree(comm, fingerprint(model, config, choice.size))
+        check_ranks_agree(
+            comm, fingerprint(model, config, (choice.trainable.size, choice.frozen.size))
+        )
         strategy = ZeroStrategy(config.zero, comm, device.torch_device)
 
-    state_dtype = _STATE_DTYPES[config.offload.state_dtype]
+    state_dtype = STATE_DTYPES[config.offload.state_dtype]
     if state_dtype != torch.float32 and native_host_optimizer() is None:
         raise ConfigError(
             "offload.state_dtype 'bf16' needs the native host optimizer, which cannot be built "
@@ -140,7 +147,9 @@ def initialize(
         )
     tiers = _tiers(config, device, capacity)
     ledger = Ledger(tiers.capacities(), config.report.max_move_events)
-    _reserve_offload(config, tiers, ledger, trainable, choice.size, world_size, mixed, state_dtype)
+    _reserve_offload(
+        config, tiers, ledger, trainable, choice.trainable.size, world_size, mixed, state_dtype
+    )
     placement = Placement(
         config.placement.policy,
         config.placement.prefetch,
@@ -151,12 +160,12 @@ def initialize(
     gatherer = strategy.gatherer(residency)
     binder = ParamBinder(gatherer.compute_kind, compute_dtype, device.torch_device)
     params = ParamStore(
-        residency, binder, strategy.sharding, compute_dtype, choice.size, keep_fp32_master=mixed
+        residency, binder, strategy.sharding, compute_dtype, choice, keep_fp32_master=mixed
     )
     residency.listener = binder
     residency.filler = gatherer
     reducer = strategy.reducer(params, residency)
-    grads = GradStore(params, residency, binder, reducer, grads_in_param_slot=not separate_grads)
+    grads = GradStore(params, residency, binder, reducer, grads_in_param_slot=not grads_apart)
     manager = ChunkManager(params, residency, binder, gatherer, grads)
     offload = config.offload
     states = OptimizerStates(
@@ -174,7 +183,7 @@ def initialize(
     _move_buffers(model, device.torch_device, compute_dtype)
     hooks = ModuleHooks(manager)
     unit = config.placement.unit_elements
-    hooks.attach(model, choice.size if unit == "chunk" else unit)
+    hooks.attach(model, choice.largest if unit == "chunk" else unit)
     store_grad = _store_grad_hook(grads)
     grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
     activations = ActivationCounter(device.meter, residency)
@@ -332,105 +341,26 @@ def _join_world(config: Config):
     return join_world(config)
 
 
-def _chunk_size(
-    config: Config,
-    capacity: int,
-    dtype: torch.dtype,
-    trainable: list[torch.nn.Parameter],
-    frozen: list[torch.nn.Parameter],
-    alignment: int,
-    chunks_move: bool,
-) -> ChunkSizeChoice:
-    """Searched (or configured) chunk size, a multiple of ``alignment`` so layouts shard evenly."""
-    trainable_numels = [p.numel() for p in trainable]
-    frozen_numels = [p.numel() for p in frozen]
-    if config.chunk.size != "auto":
-        size = config.chunk.size
-        if size < 1:
-            raise ConfigError(f"config key 'chunk.size' must be >= 1 or 'auto', got {size}")
-        size = -(-size // alignment) * alignment
-        padding = padding_for(trainable_numels, size) + padding_for(frozen_numels, size)
-        oversized = sum(1 for n in trainable_numels + frozen_numels if n > size)
-        return ChunkSizeChoice(size, padding, sum(trainable_numels + frozen_numels), oversized, 1)
-    # Trainable and frozen parameters fill separate chunk lists; search on the larger one.
-    numels = trainable_numels if sum(trainable_numels) >= sum(frozen_numels) else frozen_numels
-    # Bounded by device capacity. Where chunks move (between tiers or ranks), also small enough
-    # that the model spans several: the unit of eviction, of overlapping reduce-scatters with
-    # backward and of gathering; with room for a few of the largest ordinary tensors so
-    # padding can stay small. Outliers (an embedding far above the rest) get chunks of their
-    # own and do not set the bound. Where nothing moves, that bound buys nothing: each chunk
-    # is a hook unit whose moments cost Python time (benchmarks/overhead: 1.12 times plain
-    # PyTorch's step time with the bound, 1.04-1.08 without).
-    max_size = min(
-        int(capacity * config.chunk.max_fraction_of_capacity) // dtype.itemsize,
-        _MAX_CHUNK_ELEMENTS,
-    )
-    if chunks_move:
-        max_size = min(max_size, max(sum(numels) // _MIN_CHUNKS, 4 * _largest_ordinary(numels)))
-    choice = search_chunk_size(
-        numels, max(max_size, alignment), alignment, min_size=_largest_ordinary(numels)
-    )
-    padding = padding_for(trainable_numels, choice.size) + padding_for(frozen_numels, choice.size)
-    oversized = sum(1 for n in trainable_numels + frozen_numels if n > choice.size)
-    total = sum(trainable_numels) + sum(frozen_numels)
-    return ChunkSizeChoice(choice.size, padding, total, oversized, choice.candidates_tried)
-
-
-def _states_fit(
-    capacity: int,
-    dtype: torch.dtype,
-    trainable: list[torch.nn.Parameter],
-    frozen: list[torch.nn.Parameter],
-) -> bool:
-    """Whether all model states fit in half the device, leaving the rest for activations.
-
-    Per trainable element: the parameter and its gradient in ``dtype``, an fp32 master when
-    ``dtype`` is 16-bit, and Adam's two fp32 moments; a frozen element is its parameter only.
-    """
-    per_element = 2 * dtype.itemsize + (4 if dtype.itemsize < 4 else 0) + 8
-    state_bytes = per_element * sum(p.numel() for p in trainable) + dtype.itemsize * sum(
-        p.numel() for p in frozen
-    )
-    return 2 * state_bytes <= capacity
-
-
-def _largest_ordinary(numels: list[int]) -> int:
-    """The largest tensor within three standard deviations of the mean size."""
-    if not numels:
-        return 1
-    mean = sum(numels) / len(numels)
-    spread = (sum((n - mean) ** 2 for n in numels) / len(numels)) ** 0.5
-    return max(n for n in numels if n <= mean + 3 * spread)
-
-
-def moment_floor_bytes(
-    chunk_size: int, params: list[torch.nn.Parameter], dtype: torch.dtype, separate_grads: bool
-) -> int:
-    """Device bytes the chunks of one moment can need, before any activations (the floor
-    ``initialize`` checks; ``chunkmem estimate`` reports it too)."""
-    largest = max(max(p.numel() for p in params), chunk_size) * dtype.itemsize
-    # A module's parameters may straddle two chunks; with separate gradients the matching
-    # gradient chunks are on the device in backward too.
-    return 2 * largest * (2 if separate_grads else 1)
-
-
 def _check_capacity(
     capacity: int,
-    chunk_size: int,
-    params: list[torch.nn.Parameter],
+    sizes: ChunkSizes,
+    trainable: list[int],
+    frozen: list[int],
     dtype: torch.dtype,
-    separate_grads: bool,
+    grads_apart: bool,
 ) -> None:
     """Fail before training when not even the chunks of one moment can fit."""
-    largest = max(max(p.numel() for p in params), chunk_size) * dtype.itemsize
-    needed = moment_floor_bytes(chunk_size, params, dtype, separate_grads)
+    needed = moment_floor_bytes(sizes, trainable, frozen, dtype, grads_apart)
     if needed > capacity:
+        largest = max([*trainable, *frozen])
         raise CapacityError(
             f"device capacity {capacity:,} bytes is below the {needed:,} bytes the chunks of one "
-            f"moment can need (2 chunks of {largest:,} bytes{' plus their gradient chunks' if separate_grads else ''}), "
-            f"before any activations. Raise device.capacity to at least {needed:,} bytes plus "
-            f"the activation memory, or lower chunk.size (the largest parameter has "
-            f"{max(p.numel() for p in params):,} elements and sets the floor)."
+            f"moment can need (2 chunks of each parameter list of "
+            f"{sizes.trainable.size:,} trainable / {sizes.frozen.size:,} frozen elements"
+            f"{', with the trainable ones gradient chunks' if grads_apart else ''}), before any "
+            f"activations. Raise device.capacity to at least {needed:,} bytes plus the "
+            f"activation memory, or lower chunk.size (the largest parameter has {largest:,} "
+            f"elements and sets the floor)."
         )
 
 

@@ -35,9 +35,9 @@ from chunkmem.machine import gpu_memory, peak_rss_bytes
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, clip_coefficient
 from chunkmem.optimizer_states import OptimizerStates
-from chunkmem.packing import ChunkSizeChoice
 from chunkmem.report import RunSummary, write_report
 from chunkmem.saved_tensors import ActivationCounter, make_saved_tensor_hooks
+from chunkmem.sizing import ChunkSizes
 from chunkmem.states import TensorState
 from chunkmem.tracer import Tracer
 
@@ -129,7 +129,7 @@ class Engine:
         hooks: ModuleHooks,
         activations: ActivationCounter,
         optimizer: ChunkAdam,
-        chunk_choice: ChunkSizeChoice,
+        chunk_choice: ChunkSizes,
         grad_hook_handles: list[Any],
         lr_scheduler: Any = None,
     ) -> None:
@@ -632,7 +632,8 @@ class Engine:
     def chunk_summary(self) -> dict[str, Any]:
         layouts = self.params.layouts
         return {
-            "chunk_size_elements": self.chunk_choice.size,
+            "chunk_size_elements": self.chunk_choice.trainable.size,
+            "frozen_chunk_size_elements": self.chunk_choice.frozen.size,
             "layouts": len(layouts),
             "chunks_by_kind": {
                 kind.value: sum(1 for c in self.residency.chunks.values() if c.kind is kind)

@@ -19,6 +19,7 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.packing import Packer
 from chunkmem.residency import Residency
 from chunkmem.sharding import Sharding
+from chunkmem.sizing import ChunkSizes
 from chunkmem.states import HOLD_STATES, TensorState
 from chunkmem.tiers import StorageTier
 
@@ -32,7 +33,7 @@ class ParamStore:
         binder: ParamBinder,
         sharding: Sharding,
         compute_dtype: torch.dtype,
-        chunk_size: int,
+        chunk_sizes: ChunkSizes,
         keep_fp32_master: bool,
     ) -> None:
         self.residency = residency
@@ -40,7 +41,7 @@ class ParamStore:
         self.sharding = sharding
         self.compute_dtype = compute_dtype
         self.compute_kind = binder.compute_kind
-        self.chunk_size = chunk_size
+        self.chunk_sizes = chunk_sizes
         self.keep_fp32_master = keep_fp32_master
         # Keyed by id(param): a Parameter's __hash__ is a Python call, and these are hot.
         self.slots: dict[int, TensorSlot] = {}
@@ -48,7 +49,9 @@ class ParamStore:
         self.layouts: list[ChunkLayout] = []
         layout_ids = itertools.count()
         self._packers = {
-            trainable: Packer(chunk_size, trainable, lambda: next(layout_ids), sharding.world_size)
+            trainable: Packer(
+                chunk_sizes.size(trainable), trainable, lambda: next(layout_ids), sharding.world_size
+            )
             for trainable in (True, False)
         }
         self._slot_offsets: dict[int, list[int]] = {}

@@ -349,8 +349,8 @@ def test_chunks_are_many_only_where_they_move() -> None:
     Capacity below the model states: chunks are the unit of eviction, so at least ~16."""
     config = GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=2, n_embd=64)
     numel = config.num_parameters()
-    roomy = make_engine(GPT(config), 100 * numel).chunk_choice.size
-    tight = make_engine(GPT(config), tight_capacity(config)).chunk_choice.size
+    roomy = make_engine(GPT(config), 100 * numel).chunk_choice.trainable.size
+    tight = make_engine(GPT(config), tight_capacity(config)).chunk_choice.trainable.size
     assert roomy >= numel // 2
     assert tight <= numel // 8
 

@@ -23,7 +23,9 @@ def join_world(config: Config) -> Communicator:
     return Communicator(world, rings=config.zero.transport == "ring")
 
 
-def fingerprint(model: torch.nn.Module, config: Config, chunk_size: int) -> dict[str, Any]:
+def fingerprint(
+    model: torch.nn.Module, config: Config, chunk_sizes: tuple[int, int]
+) -> dict[str, Any]:
     """What every rank must agree on: config, chunk size, parameter names, shapes and values."""
     params = list(model.named_parameters())
     with torch.no_grad():
@@ -32,7 +34,7 @@ def fingerprint(model: torch.nn.Module, config: Config, chunk_size: int) -> dict
     return {
         "torch": torch.__version__,
         "config": config.model_dump(mode="json"),
-        "chunk_size": chunk_size,
+        "chunk_sizes": chunk_sizes,  # trainable, frozen
         "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in params],
         "values": (total, squares),
     }

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from chunkmem.api import _ALIGNMENT, _DTYPES, _chunk_size, _states_fit, moment_floor_bytes
 from chunkmem.cli.models import build_model, describe
 from chunkmem.cli.settings import ModelSettings
 from chunkmem.config import Config
@@ -23,6 +22,14 @@ from chunkmem.errors import ConfigError
 from chunkmem.estimate.memory import MemoryEstimate, estimate_memory, pack_layouts
 from chunkmem.estimate.trace import trace_model
 from chunkmem.estimate.wire import WireEstimate, estimate_wire
+from chunkmem.sizing import (
+    ALIGNMENT_ELEMENTS,
+    COMPUTE_DTYPES,
+    choose_chunk_sizes,
+    chunks_move,
+    moment_floor_bytes,
+    separate_grads,
+)
 
 UNBOUNDED = 1 << 62  # a device capacity that bounds nothing
 
@@ -94,7 +101,7 @@ def estimate(
     node_size = node_size or world_size
     if world_size % node_size:
         raise ConfigError(f"the node size {node_size} does not divide the world size {world_size}")
-    dtype = _DTYPES[config.precision]
+    dtype = COMPUTE_DTYPES[config.precision]
     with torch.device("meta"):
         net = build_model(model)
     net.to(dtype)
@@ -102,25 +109,26 @@ def estimate(
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     capacity = device_capacity if device_capacity is not None else UNBOUNDED
-    moving = (
-        config.zero.stage > 0
-        or config.offload.optimizer in ("host", "nvme")
-        or not _states_fit(capacity, dtype, trainable, frozen)
-    )
-    choice = _chunk_size(
-        config, capacity, dtype, trainable, frozen, math.lcm(_ALIGNMENT, world_size), moving
+    sharded = config.zero.stage > 0
+    trainable_numels = [p.numel() for p in trainable]
+    frozen_numels = [p.numel() for p in frozen]
+    alignment = math.lcm(ALIGNMENT_ELEMENTS, world_size)
+    sizes = choose_chunk_sizes(
+        config,
+        capacity,
+        dtype,
+        trainable_numels,
+        frozen_numels,
+        alignment,
+        chunks_move(config, sharded, capacity, dtype, trainable_numels, frozen_numels),
     )
     unit = config.placement.unit_elements
     tokens = torch.zeros(batch, model.seq, dtype=torch.long, device="meta")
-    trace = trace_model(net, (tokens, tokens), choice.size if unit == "chunk" else unit, gpu)
-    packed = pack_layouts(params, trace, choice.size, math.lcm(_ALIGNMENT, world_size))
+    trace = trace_model(net, (tokens, tokens), sizes.largest if unit == "chunk" else unit, gpu)
+    packed = pack_layouts(params, trace, sizes, alignment)
     memory, gathers = estimate_memory(trace, packed, config, world_size, capacity, gpu)
-    separate_grads = (
-        config.precision == "fp32"
-        or config.gradient_accumulation_steps > 1
-        or config.zero.stage > 0
-    )
-    floor = moment_floor_bytes(choice.size, params, dtype, separate_grads)
+    grads_apart = separate_grads(config.precision, config.gradient_accumulation_steps, sharded)
+    floor = moment_floor_bytes(sizes, trainable_numels, frozen_numels, dtype, grads_apart)
     memory = replace(memory, min_device_bytes=max(memory.min_device_bytes, floor))
     wire = estimate_wire(
         packed,

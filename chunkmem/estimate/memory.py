@@ -35,9 +35,9 @@ from chunkmem.estimate.trace import ModelTrace
 from chunkmem.layout_update import WORKSPACE_ELEMENTS
 from chunkmem.packing import Packer
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
+from chunkmem.sizing import COMPUTE_DTYPES, ChunkSizes, separate_grads
 from zero.reduce import MAX_REDUCTIONS_IN_FLIGHT
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ACTIVATIONS = "activations"
 
 
@@ -45,7 +45,7 @@ ACTIVATIONS = "activations"
 class Layouts:
     """The chunk layouts a run packs, with the parameters in each."""
 
-    chunk_size: int
+    sizes: ChunkSizes
     layouts: list[ChunkLayout]
     layout_of: list[int]  # parameter index -> position in ``layouts``
 
@@ -55,12 +55,12 @@ class Layouts:
 
 
 def pack_layouts(
-    params: list[torch.nn.Parameter], trace: ModelTrace, chunk_size: int, alignment: int
+    params: list[torch.nn.Parameter], trace: ModelTrace, sizes: ChunkSizes, alignment: int
 ) -> Layouts:
     """Pack ``params`` in the trace's first-use order with the engine's packer."""
     counter = iter(range(1 << 62))
     packers = {
-        trainable: Packer(chunk_size, trainable, lambda: next(counter), alignment)
+        trainable: Packer(sizes.size(trainable), trainable, lambda: next(counter), alignment)
         for trainable in (True, False)
     }
     layout_of = [0] * len(params)
@@ -75,7 +75,7 @@ def pack_layouts(
     position = {id(layout): k for k, layout in enumerate(layouts)}
     for i, layout in placed.items():
         layout_of[i] = position[id(layout)]
-    return Layouts(chunk_size, layouts, layout_of)
+    return Layouts(sizes, layouts, layout_of)
 
 
 @dataclass
@@ -136,9 +136,9 @@ class _Simulation:
         self.world = world_size
         self.stage = config.zero.stage
         self.mixed = config.precision != "fp32"
-        self.itemsize = _DTYPES[config.precision].itemsize
+        self.itemsize = COMPUTE_DTYPES[config.precision].itemsize
         self.accumulation = config.gradient_accumulation_steps
-        self.separate_grads = not self.mixed or self.accumulation > 1 or self.stage > 0
+        self.separate_grads = separate_grads(config.precision, self.accumulation, self.stage > 0)
         self.device = _Device()
         self.unit_layouts = [
             sorted({packed.layout_of[p] for p in params}) for params in trace.unit_params
@@ -377,7 +377,7 @@ def estimate_memory(
         host_warmup_bytes=max(host, _warmup_host(sim, config)),
         nvme_bytes=nvme,
         state_homes=dict(Counter(homes)),
-        chunk_size=packed.chunk_size,
+        chunk_size=packed.sizes.trainable.size,
         layouts=len(packed.layouts),
         padding_elements=sum(layout.padding for layout in packed.layouts),
         elements_per_rank=sum(elements),
