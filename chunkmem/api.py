@@ -39,6 +39,7 @@ from chunkmem.sizing import (
     ChunkSizes,
     choose_chunk_sizes,
     chunks_move,
+    masters_start_on_device,
     moment_floor_bytes,
     separate_grads,
 )
@@ -159,8 +160,17 @@ def initialize(
     residency = Residency(device, tiers, ledger, Tracer(), placement)
     gatherer = strategy.gatherer(residency)
     binder = ParamBinder(gatherer.compute_kind, compute_dtype, device.torch_device)
+    masters_on_device = masters_start_on_device(
+        config, capacity, compute_dtype, trainable_numels, frozen_numels, world_size
+    )
     params = ParamStore(
-        residency, binder, strategy.sharding, compute_dtype, choice, keep_fp32_master=mixed
+        residency,
+        binder,
+        strategy.sharding,
+        compute_dtype,
+        choice,
+        keep_fp32_master=mixed,
+        master_tier=tiers.compute if masters_on_device else tiers.spill,
     )
     residency.listener = binder
     residency.filler = gatherer

@@ -35,6 +35,7 @@ class ParamStore:
         compute_dtype: torch.dtype,
         chunk_sizes: ChunkSizes,
         keep_fp32_master: bool,
+        master_tier: StorageTier,
     ) -> None:
         self.residency = residency
         self.binder = binder
@@ -43,6 +44,7 @@ class ParamStore:
         self.compute_kind = binder.compute_kind
         self.chunk_sizes = chunk_sizes
         self.keep_fp32_master = keep_fp32_master
+        self.master_tier = master_tier  # where masters start, until the step homes them
         # Keyed by id(param): a Parameter's __hash__ is a Python call, and these are hot.
         self.slots: dict[int, TensorSlot] = {}
         self.pending: dict[int, tuple[str, torch.nn.Parameter]] = {}  # registered, not packed
@@ -50,7 +52,10 @@ class ParamStore:
         layout_ids = itertools.count()
         self._packers = {
             trainable: Packer(
-                chunk_sizes.size(trainable), trainable, lambda: next(layout_ids), sharding.world_size
+                chunk_sizes.size(trainable),
+                trainable,
+                lambda: next(layout_ids),
+                sharding.world_size,
             )
             for trainable in (True, False)
         }
@@ -151,9 +156,7 @@ class ParamStore:
         residency.new_chunk(layout, ChunkKind.PARAM, self.compute_dtype, tier, param_span)
         if layout.trainable and self.keep_fp32_master:
             span = self.sharding.state_span(layout)
-            residency.new_chunk(
-                layout, ChunkKind.MASTER, torch.float32, residency.tiers.spill, span
-            )
+            residency.new_chunk(layout, ChunkKind.MASTER, torch.float32, self.master_tier, span)
 
     def _copy_owned_part(self, chunk: Chunk, slot: TensorSlot, original: torch.Tensor) -> None:
         """Copy the part of ``original`` that falls in ``chunk``'s span."""

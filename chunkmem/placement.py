@@ -112,22 +112,34 @@ class Placement:
         """Bytes the dynamically placed chunks may hold from now until ``moments_ahead`` on.
 
         Replaying: capacity minus static bytes minus the traced non-model peak of those
-        moments (plus margin). Recording: zero, so only the chunks the current moment needs
-        stay; whatever the untraced activations turn out to be, the device cannot overflow
-        unless one moment's own chunks and activations exceed it.
+        moments (plus margin). Recording: see :meth:`recording_budget`.
         """
         if not tracer.replaying:
-            return 0
+            return self.recording_budget(tracer, static_bytes)
         peak = tracer.traced_nonmodel_peak(tracer.index, tracer.index + 1 + moments_ahead)
         return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
 
     def release_budget(self, tracer: Tracer, static_bytes: int) -> int:
         """Bytes chunks may hold once the current moment's chunks are released, until the
-        next moment. Recording: zero, as for :meth:`chunk_budget`."""
+        next moment. Recording: see :meth:`recording_budget`."""
         if not tracer.replaying:
-            return 0
+            return self.recording_budget(tracer, static_bytes)
         peak = tracer.traced_nonmodel_after_release()
         return self.capacity - static_bytes - math.ceil(peak * (1 + self.nonmodel_margin))
+
+    def recording_budget(self, tracer: Tracer, static_bytes: int) -> int:
+        """While a trace is recorded: the device less the highest non-model bytes this cycle
+        has shown so far (plus margin). Activations not seen yet may outgrow it; the pressure
+        valve then evicts chunks no moment is using (``Residency.on_nonmodel_growth``), so the
+        device overflows only if one moment's own chunks and activations exceed it.
+
+        [Note: the first cycle looks like the steady one] A budget of zero while recording
+        kept only the current moment's chunks: every other chunk went to the host and came
+        back, so the first iteration (and the first of every new input shape) moved the
+        model's chunks both ways and peaked on the host where the steady state used none.
+        """
+        seen = max(tracer.observed.nonmodel_peak, default=0)
+        return max(0, self.capacity - static_bytes - math.ceil(seen * (1 + self.nonmodel_margin)))
 
     def lowest_budget(self, tracer: Tracer, static_bytes: int) -> int | None:
         """The smallest chunk budget of any moment of the replayed trace (None: recording)."""

@@ -496,16 +496,23 @@ class Residency:
         return nonmodel
 
     def on_nonmodel_growth(self) -> None:
-        """Non-model bytes grew: account them and evict chunks if the device is over capacity."""
-        nonmodel = self.account_nonmodel()
-        device = self.compute.name
-        if not self.ledger.overflow(device):
+        """Non-model bytes grew: evict chunks no moment uses until they fit beside the rest,
+        then account them. Evicting first keeps the ledger's device peak within the capacity
+        (the pressure valve: while a trace is recorded, activations not seen yet meet chunks
+        the recording budget kept; see ``Placement.recording_budget``)."""
+        nonmodel = self.device.meter.current(self.accounted_device_bytes())
+        capacity = self.ledger.device.capacity
+        if capacity is None or self.accounted_device_bytes() + nonmodel <= capacity:
+            self.account_nonmodel()
             return
         resident = [c.id for c in self._resident.values() if self.evictable(c)]
         for victim_id in self._rank()(resident):
             self.move(self.chunks[victim_id], self.tiers.spill, "pressure")
-            if not self.ledger.overflow(device):
+            if self.accounted_device_bytes() + nonmodel <= capacity:
+                self.account_nonmodel()
                 return
+        self.account_nonmodel()
+        device = self.compute.name
         raise OutOfMemoryError(
             device,
             self.ledger.device.used,

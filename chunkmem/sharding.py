@@ -148,9 +148,11 @@ class GradientsListener(Protocol):
 
 
 class ExpectedGradients:
-    """Which slots of each layout got a gradient in this backward, against the previous
-    cycle's: a layout whose expected gradients are all in is final (unless the pattern
-    changed, which a late gradient then shows)."""
+    """Which slots of each layout got a gradient in this backward: a layout is final once
+    every one of its slots has one, from the first cycle on; or, once a cycle has been seen,
+    once the slots that got one in the previous cycle have (a parameter a branch leaves out is
+    not waited for; should the pattern change, a late gradient shows it and is reduced again
+    and added). Slots that get none at all are settled at the end of backward."""
 
     def __init__(self) -> None:
         self._stored: dict[int, set[int]] = {}  # layout -> slots that got a gradient
@@ -167,10 +169,10 @@ class ExpectedGradients:
         self._stored.setdefault(slot.layout.index, set()).add(id(slot))
 
     def complete(self, layout: ChunkLayout) -> bool:
-        return self._expected.get(layout.index, set()) <= self._stored.get(layout.index, set())
-
-    def expects(self, layout: ChunkLayout) -> bool:
-        return bool(self._expected.get(layout.index))
+        stored = self._stored.get(layout.index, set())
+        if len(stored) == len(layout.slots):
+            return True
+        return self.learned and self._expected.get(layout.index, set()) <= stored
 
     def learn(self) -> None:
         self._expected = {index: set(stored) for index, stored in self._stored.items()}
@@ -218,9 +220,8 @@ class GradReducer:
             return
         arrived = self._arrived
         arrived.add(slot)
-        layout = slot.layout
-        if arrived.learned and arrived.expects(layout) and arrived.complete(layout):
-            self._announce_final(layout)
+        if arrived.complete(slot.layout):
+            self._announce_final(slot.layout)
 
     def finish_backward(self) -> None:
         """Backward ended normally."""

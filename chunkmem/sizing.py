@@ -47,15 +47,29 @@ def separate_grads(precision: str, accumulation_steps: int, sharded: bool) -> bo
 
 
 def states_fit(
-    capacity: int, dtype: torch.dtype, trainable: Sequence[int], frozen: Sequence[int]
+    capacity: int,
+    dtype: torch.dtype,
+    trainable: Sequence[int],
+    frozen: Sequence[int],
+    world_size: int = 1,
+    stage: int = 0,
 ) -> bool:
-    """Whether all model states fit in half the device, leaving the rest for activations.
+    """Whether this rank's model states fit in half the device, leaving the rest for
+    activations.
 
     Per trainable element: the parameter and its gradient in ``dtype``, an fp32 master when
     ``dtype`` is 16-bit, and Adam's two fp32 moments; a frozen element is its parameter only.
+    ZeRO shards the optimizer states (stage 1), the gradients (2) and the parameters (3).
     """
-    per_element = 2 * dtype.itemsize + (4 if dtype.itemsize < 4 else 0) + 8
-    state_bytes = per_element * sum(trainable) + dtype.itemsize * sum(frozen)
+    trainable_elements, frozen_elements = sum(trainable), sum(frozen)
+    params = dtype.itemsize * (trainable_elements + frozen_elements)
+    grads = dtype.itemsize * trainable_elements
+    states = ((4 if dtype.itemsize < 4 else 0) + 8) * trainable_elements
+    state_bytes = (
+        params / (world_size if stage >= 3 else 1)
+        + grads / (world_size if stage >= 2 else 1)
+        + states / (world_size if stage >= 1 else 1)
+    )
     return 2 * state_bytes <= capacity
 
 
@@ -73,6 +87,24 @@ def chunks_move(
         sharded
         or config.offload.optimizer in ("host", "nvme")
         or not states_fit(capacity, dtype, trainable, frozen)
+    )
+
+
+def masters_start_on_device(
+    config: Config,
+    capacity: int,
+    dtype: torch.dtype,
+    trainable: Sequence[int],
+    frozen: Sequence[int],
+    world_size: int,
+) -> bool:
+    """[Note: masters start where they will live] The fp32 masters are written at packing,
+    before the first step chooses the optimizer states' homes. Where this rank's model states
+    fit in half the device and nothing is offloaded by config, that home is the device: the
+    masters start there, and the first cycle holds nothing on the host the steady ones do
+    not. Elsewhere they wait on the host."""
+    return config.offload.optimizer not in ("host", "nvme") and states_fit(
+        capacity, dtype, trainable, frozen, world_size, config.zero.stage
     )
 
 

@@ -1,7 +1,8 @@
 """ZeRO gradient reduction: each layout's gradient chunk reduce-scattered into this rank's shard.
 
-Stage 1 reduces every layout before the step; stages 2-3 reduce a layout as soon as all the
-gradients the previous cycle saw for it are in, overlapping backward, with at most
+Stage 1 reduces every layout before the step; stages 2-3 reduce a layout as soon as its
+gradients are in (every slot's, or, once a cycle has been seen, every slot's that got one
+then: ``chunkmem.sharding.ExpectedGradients``), from the first cycle on, overlapping backward, with at most
 ``MAX_REDUCTIONS_IN_FLIGHT`` running and completed oldest first, so each whole gradient chunk is
 freed as backward goes. Every rank reduces the trainable layouts in one order (last packed
 first, the order backward finishes them), so collectives always match across ranks.
@@ -171,8 +172,6 @@ class ReduceScatterGrads(GradReducer):
             return
         arrived = self._arrived
         arrived.add(slot)
-        if not arrived.learned:
-            return  # the first cycle learns what to expect; it reduces after backward
         for layout in self._order():
             if layout.index in self._launched:
                 continue

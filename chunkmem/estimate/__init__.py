@@ -27,6 +27,7 @@ from chunkmem.sizing import (
     COMPUTE_DTYPES,
     choose_chunk_sizes,
     chunks_move,
+    masters_start_on_device,
     moment_floor_bytes,
     separate_grads,
 )
@@ -126,7 +127,12 @@ def estimate(
     tokens = torch.zeros(batch, model.seq, dtype=torch.long, device="meta")
     trace = trace_model(net, (tokens, tokens), sizes.largest if unit == "chunk" else unit, gpu)
     packed = pack_layouts(params, trace, sizes, alignment)
-    memory, gathers = estimate_memory(trace, packed, config, world_size, capacity, gpu)
+    masters_on_device = masters_start_on_device(
+        config, capacity, dtype, trainable_numels, frozen_numels, world_size
+    )
+    memory, gathers = estimate_memory(
+        trace, packed, config, world_size, capacity, gpu, masters_on_device
+    )
     grads_apart = separate_grads(config.precision, config.gradient_accumulation_steps, sharded)
     floor = moment_floor_bytes(sizes, trainable_numels, frozen_numels, dtype, grads_apart)
     memory = replace(memory, min_device_bytes=max(memory.min_device_bytes, floor))

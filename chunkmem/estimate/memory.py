@@ -14,8 +14,10 @@ does with them in a steady iteration (every chunk resident, nothing evicted):
   its last, plus the next moment's, prefetched;
 - activations: the trace's saved tensors, plus each gradient while it is stored;
 - the step: a 1 MiB fp32 workspace per update on the device in bf16/fp16;
-- the first cycle, which records the trace: under ZeRO every gradient chunk at once at the
-  end of its backward, reduced from there two at a time.
+- the first cycle, which records the trace: it keeps chunks on the device as the steady
+  ones do (``Placement.recording_budget``) and reduces each gradient chunk as its slots are
+  all in, so its device peak is at most the steady one (it has no Adam moments yet); the fp32
+  masters wait for their home on the host unless this rank's states fit in half the device.
 
 The peak is the largest sum at any event; the formulas of tests/test_zero.py (model states
 per rank) are what it reduces to at the end of backward.
@@ -286,24 +288,6 @@ class _Simulation:
         grads.discard(layout)
         self.device.add("grad", -self.capacity(layout) * self.itemsize, label)
 
-    def first_cycle(self) -> None:
-        """The first cycle records the trace: under ZeRO it cannot overlap reductions with
-        backward (it learns which gradients to expect), so every layout is reduced after
-        it: every gradient chunk is there when the reductions start, while nothing else need
-        stay."""
-        if self.stage == 0:
-            return
-        steady, self.device = self.device, _Device()
-        try:
-            grads = set(self.packed.trainable)
-            total = sum(self.capacity(i) for i in grads) * self.itemsize
-            self.device.add("grad", total, "end of the first backward")
-            self._reduce_remaining(grads, [], set(), "end of the first backward")
-            first = self.device
-        finally:
-            self.device = steady
-        steady.consider(Counter(first.peak_by_kind), first.peak_at)
-
     def _step(self, grads: set[int]) -> None:
         device = self.device
         if self.stage == 1:  # reduce-scatter every layout before the step
@@ -340,6 +324,7 @@ def estimate_memory(
     world_size: int,
     capacity: int,
     gpu: bool,
+    masters_on_device: bool,
 ) -> tuple[MemoryEstimate, Counter[int]]:
     """One rank's bytes, and the all-gathers of each layout in a step (ZeRO-3).
     ``capacity`` is the device's; ``gpu`` whether updates on the host stage gradients through
@@ -354,7 +339,6 @@ def estimate_memory(
         config, on_device=True
     )
     sim.run(device_state)
-    sim.first_cycle()
     host_state = sum(
         n * state_bytes_per_element(config, on_device=False)
         for n, home in zip(elements, homes, strict=True)
@@ -374,7 +358,7 @@ def estimate_memory(
         activation_peak_bytes=activation_peak(trace),
         min_device_bytes=_min_device(sim),
         host_bytes=host,
-        host_warmup_bytes=max(host, _warmup_host(sim, config)),
+        host_warmup_bytes=host + _warmup_host(sim, masters_on_device),
         nvme_bytes=nvme,
         state_homes=dict(Counter(homes)),
         chunk_size=packed.sizes.trainable.size,
@@ -433,18 +417,13 @@ def _host_workspace(config: Config, sim: _Simulation, homes: list[str], gpu: boo
     return total
 
 
-def _warmup_host(sim: _Simulation, config: Config) -> int:
-    """The host during the first (recording) cycle, whose chunk budget is zero: parameters
-    and gradients wait on the host between uses, and fp32 masters live there until the
-    first step gives them their home."""
-    param = sim.param_bytes()
-    grads = (
-        sum(sim.capacity(i) for i in sim.packed.trainable) * sim.itemsize
-        if sim.separate_grads
-        else 0
-    )
-    masters = sum(sim.state_elements(i) for i in sim.packed.trainable) * 4 if sim.mixed else 0
-    return param + grads + masters
+def _warmup_host(sim: _Simulation, masters_on_device: bool) -> int:
+    """The host during the first (recording) cycle, beyond the steady one's: the fp32 masters
+    wait there for the first step to give them their home, unless they start on the device
+    (``chunkmem.sizing.masters_start_on_device``)."""
+    if not sim.mixed or masters_on_device:
+        return 0
+    return sum(sim.state_elements(i) for i in sim.packed.trainable) * 4
 
 
 def _min_device(sim: _Simulation) -> int:
