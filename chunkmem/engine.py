@@ -302,11 +302,13 @@ class Engine:
             self.reducer.begin_backward(final_micro_batch=final)
             self.grads.accepting = True
             self.grads.stored_in_backward = 0
+            self.hooks.in_backward = True
             try:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                     (loss * factor if factor != 1.0 else loss).backward()
             finally:
                 self.grads.accepting = False
+                self.hooks.in_backward = False
             if not self.grads.stored_in_backward and self.params.trainable_layouts():
                 raise EngineUsageError(
                     "engine.backward(loss) reached none of the model's trainable parameters: "

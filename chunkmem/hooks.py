@@ -106,6 +106,11 @@ class ModuleHooks:
     accesses: dict[torch.nn.Module, list[torch.nn.Parameter]] = field(default_factory=dict)
     stack: list[_Frame] = field(default_factory=list)
     open_calls: dict[int, _Call] = field(default_factory=dict)
+    # A forward while backward runs recomputes a checkpointed unit: its moment belongs to the
+    # backward phase (its own label), so the gatherer keeps what it gathers for the unit's
+    # backward (zero/gather.py, [Note: one gather per unit per backward]).
+    in_backward: bool = False
+    recompute_moments: dict[torch.nn.Module, Moment] = field(default_factory=dict)
     _handles: list[Any] = field(default_factory=list)
 
     def attach(self, model: torch.nn.Module, max_unit_elements: int) -> None:
@@ -116,6 +121,7 @@ class ModuleHooks:
             label = names[module] or "<root>"
             self.labels[module] = label
             self.moments[module] = (Moment(Phase.FORWARD, label), Moment(Phase.BACKWARD, label))
+            self.recompute_moments[module] = Moment(Phase.BACKWARD, f"{label} (recompute)")
             self.accesses[module] = [
                 p for p in units.get(module, []) if self.manager.params.is_managed(p)
             ]
@@ -155,7 +161,7 @@ class ModuleHooks:
         if not params:
             return None
         forward, backward = self.moments[module]
-        self.manager.enter_moment(forward)
+        self.manager.enter_moment(self.recompute_moments[module] if self.in_backward else forward)
         self.manager.access(params)
         frame.acquired = params
         self.manager.after_access()

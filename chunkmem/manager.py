@@ -82,7 +82,7 @@ class ChunkManager:
 
     def release(self, params: Sequence[torch.nn.Parameter], state: TensorState) -> None:
         """One user of each of ``params`` is done; the last one moves it to ``state``."""
-        layouts = {}
+        released: dict[int, list[TensorSlot]] = {}
         known = self.params.slots
         for param in params:
             slot = known[id(param)]
@@ -91,20 +91,21 @@ class ChunkManager:
             slot.users -= 1
             if slot.users == 0:
                 slot.set_state(state)
-                layouts[slot.layout.index] = slot.layout
-        for layout in layouts.values():
-            self.gatherer.released(layout)
-        if layouts:
+                released.setdefault(slot.layout.index, []).append(slot)
+        for slots in released.values():
+            self.gatherer.released(slots[0].layout, slots, state)
+        if released:
             self.residency.after_release()
 
     def release_all(self, state: TensorState) -> None:
-        """End of a phase: whatever is still in COMPUTE goes to ``state``."""
+        """End of backward: whatever is still in COMPUTE goes to ``state``."""
         self.residency.release_transient_pins()
         for slot in self.params.slots.values():
             if slot.state is TensorState.COMPUTE:
                 slot.users = 0
                 slot.set_state(state)
         self.gatherer.moment_over()
+        self.gatherer.backward_over()
 
     def reset_states(self) -> None:
         """End of a cycle (or an aborted one): every packed tensor back to HOLD."""

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.states import TensorState
 
 if TYPE_CHECKING:
     from chunkmem.params import ParamStore
@@ -110,8 +111,11 @@ class ParamGatherer:
     def after_access(self) -> None:
         """A moment's chunks are in: start what the next moments will need."""
 
-    def released(self, layout: ChunkLayout) -> None:
-        """The last user of some of the layout's parameters released them."""
+    def released(self, layout: ChunkLayout, slots: list[TensorSlot], state: TensorState) -> None:
+        """The last user of ``slots`` (parameters of ``layout``) released them into ``state``."""
+
+    def backward_over(self) -> None:
+        """Backward ended: copies kept for a backward that never came may go."""
 
     def moment_over(self) -> None:
         """The moment that pinned chunks ended: look again at copies kept for it."""

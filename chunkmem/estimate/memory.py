@@ -11,7 +11,9 @@ does with them in a steady iteration (every chunk resident, nothing evicted):
   ZeRO-1 reduced before the step, under ZeRO-2/3 reduce-scattered as each layout's gradients
   are in (two reductions in flight), keeping this rank's shard;
 - gathered copies (ZeRO-3): a layout's whole parameters from its first use in a phase until
-  its last, plus the next moment's, prefetched;
+  its last, plus the next moment's, prefetched; a copy gathered to recompute a checkpointed
+  unit in backward stays until that unit's backward has run (one gather per unit per
+  backward);
 - activations: the trace's saved tensors, plus each gradient while it is stored;
 - the step: a 1 MiB fp32 workspace per update on the device in bf16/fp16;
 - the first cycle, which records the trace: it keeps chunks on the device as the steady
@@ -185,6 +187,7 @@ class _Simulation:
         device, trace = self.device, self.trace
         gathered: set[int] = set()
         deferred: set[int] = set()
+        awaiting: dict[int, set[int]] = {}  # layout -> units recomputed, backward not run yet
         arrived: Counter[int] = Counter()
         launched: list[int] = []  # reductions in flight, oldest first
         reduced: set[int] = set()
@@ -209,7 +212,16 @@ class _Simulation:
                         for layout in self.unit_layouts[self.moments[moment + 1][1]]:
                             self._gather(gathered, layout, label)
             elif kind == "release" and self.stage == 3:
-                for layout in self.unit_layouts[event[2]]:
+                unit = event[2]
+                for layout in self.unit_layouts[unit]:
+                    if event[1] == "recompute":
+                        awaiting.setdefault(layout, set()).add(unit)
+                        continue
+                    if event[1] == "bwd" and layout in awaiting:
+                        awaiting[layout].discard(unit)
+                        if awaiting[layout]:
+                            continue
+                        del awaiting[layout]
                     if event[1] == "bwd":
                         deferred.add(layout)  # pinned by unpacked saved views until the next moment
                     elif not self._needed_again(moment, layout):
@@ -226,7 +238,7 @@ class _Simulation:
                 if overlap:
                     self._launch_complete(grads, arrived, launched, reduced, label)
             elif kind == "end":
-                for layout in sorted(deferred):
+                for layout in sorted(deferred | set(awaiting)):
                     self._drop(gathered, layout, label)
                 if overlap:
                     self._reduce_remaining(grads, launched, reduced, label)

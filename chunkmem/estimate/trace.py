@@ -28,8 +28,11 @@ from torch.utils._pytree import tree_flatten
 from chunkmem.hooks import plan_units
 
 # Events, in the order they happen:
-#   ("moment", phase, unit)  a unit's pre-forward ("fwd") or pre-backward ("bwd")
-#   ("release", phase, unit) its post-forward / post-backward: its parameters are let go
+#   ("moment", phase, unit)  a unit's pre-forward ("fwd") or pre-backward ("bwd"); a
+#                            pre-forward in backward (activation checkpointing recomputing
+#                            the unit) is a "bwd" moment, as the engine's hooks make it
+#   ("release", phase, unit) its post-forward ("fwd"; "recompute" in backward) or
+#                            post-backward ("bwd"): its parameters are let go
 #   ("act", delta_bytes)     bytes saved for backward changed
 #   ("grad", param, nbytes)  autograd finished a parameter's gradient (nbytes in flight)
 #   ("end",)                 backward ended: calls whose post-backward never fired close
@@ -166,6 +169,7 @@ class _Recorder:
         self.storages: dict[int, list[int]] = {}  # storage -> [references, nbytes]
         self.next_key = 0
         self.open_calls: dict[int, _Call] = {}
+        self.in_backward = False
 
     # saved tensors
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -257,7 +261,7 @@ def trace_model(
         if not accesses[unit]:
             stack.append((unit, None, False))
             return None
-        trace.events.append(("moment", "fwd", unit))
+        trace.events.append(("moment", "bwd" if recorder.in_backward else "fwd", unit))
         for i in accesses[unit]:
             if i not in packed:
                 packed.add(i)
@@ -285,7 +289,7 @@ def trace_model(
             return
         unit, call, acquired = stack.pop()
         if acquired:
-            trace.events.append(("release", "fwd", unit))
+            trace.events.append(("release", "recompute" if recorder.in_backward else "fwd", unit))
         if call is None or output is None:
             return
         for tensor in tree_flatten(output)[0]:
@@ -311,6 +315,7 @@ def trace_model(
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
         ):
             loss = model(*inputs)
+            recorder.in_backward = True
             _backward(loss)
         recorder.finish_backward()
         trace.events.append(("end",))
