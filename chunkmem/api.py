@@ -173,7 +173,6 @@ def initialize(
         master_tier=tiers.compute if masters_on_device else tiers.spill,
     )
     residency.listener = binder
-    residency.filler = gatherer
     reducer = strategy.reducer(params, residency)
     grads = GradStore(params, residency, binder, reducer, grads_in_param_slot=not grads_apart)
     manager = ChunkManager(params, residency, binder, gatherer, grads)

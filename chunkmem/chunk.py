@@ -8,42 +8,88 @@ slot ``i`` of every chunk in the group belongs to the same parameter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from chunkmem._enum import FastHashEnum
 from chunkmem.states import MOVABLE_STATES, TensorState, check_transition
 
 if TYPE_CHECKING:
     from chunkmem.tiers import StorageTier
 
 
-class ChunkKind(FastHashEnum):
-    """What a chunk holds; the ledger accounts bytes per kind."""
+class ChunkKind:
+    """What a chunk holds; the ledger accounts bytes per kind.
 
-    PARAM = "param"  # this process's copy of the parameters (all of them, or its shard)
-    GRAD = "grad"  # gradients of the whole layout, when they cannot reuse the parameter slot
-    GRAD_SHARD = "grad_shard"  # this rank's reduced gradient shard (ZeRO)
-    GATHERED = "gathered"  # a layout's parameters all-gathered for compute (ZeRO-3)
-    # ZeRO++ hpZ: this rank's part of a forward-gathered copy, kept inside its node group
-    # until the optimizer step so that the backward gather does not cross nodes.
-    HPZ_SECONDARY = "hpz_secondary"
-    MASTER = "master"  # fp32 master parameters (bf16/fp16 training only)
-    EXP_AVG = "exp_avg"
-    EXP_AVG_SQ = "exp_avg_sq"
+    A kind is a value with the properties the core acts on, not a name it branches on: the
+    core defines its own kinds here, and ``zero/`` defines the kinds of sharding
+    (``zero.kinds``: gathered copies, gradient shards, hpZ secondaries) without the core
+    ever naming them. Kinds are singletons, compared and hashed by identity (they key hot
+    dictionaries), and registered by value in the order they are made (reports list them so).
+
+    - ``dynamic``: placed on the fly by the placement policy (else a fixed home: optimizer
+      states);
+    - ``derived``: its content is built from other chunks by the materializer registered for
+      the kind (``Residency.materializers``); never evicted, only dropped by its owner, the
+      same way on every rank;
+    - ``binds_params``: parameters compute on it, so their tensor states decide whether it
+      may move;
+    - ``gradient``: holds gradients, which are dead after the step;
+    - ``written_before_read``: allocated without zeroing (its first writer writes it all).
+    """
+
+    _registry: ClassVar[dict[str, ChunkKind]] = {}
+    PARAM: ClassVar[ChunkKind]
+    GRAD: ClassVar[ChunkKind]
+    MASTER: ClassVar[ChunkKind]
+    EXP_AVG: ClassVar[ChunkKind]
+    EXP_AVG_SQ: ClassVar[ChunkKind]
+
+    __slots__ = ("value", "dynamic", "derived", "binds_params", "gradient", "written_before_read")
+
+    def __init__(
+        self,
+        value: str,
+        *,
+        dynamic: bool,
+        derived: bool = False,
+        binds_params: bool = False,
+        gradient: bool = False,
+        written_before_read: bool = False,
+    ) -> None:
+        if value in ChunkKind._registry:
+            raise ValueError(f"a chunk kind {value!r} exists already")
+        self.value = value
+        self.dynamic = dynamic
+        self.derived = derived
+        self.binds_params = binds_params
+        self.gradient = gradient
+        self.written_before_read = written_before_read
+        ChunkKind._registry[value] = self
+
+    @classmethod
+    def all(cls) -> list[ChunkKind]:
+        """Every kind made so far, in the order made."""
+        return list(cls._registry.values())
+
+    @classmethod
+    def named(cls, value: str) -> ChunkKind:
+        return cls._registry[value]
+
+    def __reduce__(self) -> tuple:
+        return ChunkKind.named, (self.value,)  # one object per kind, across processes too
+
+    def __repr__(self) -> str:
+        return f"ChunkKind({self.value!r})"
 
 
-# Placed on the fly by the placement policy; optimizer states have a fixed home instead.
-DYNAMIC_KINDS = frozenset(
-    {
-        ChunkKind.PARAM,
-        ChunkKind.GRAD,
-        ChunkKind.GRAD_SHARD,
-        ChunkKind.GATHERED,
-        ChunkKind.HPZ_SECONDARY,
-    }
+ChunkKind.PARAM = ChunkKind("param", dynamic=True, binds_params=True)  # this process's copy
+ChunkKind.GRAD = ChunkKind(  # a layout's gradients, when they cannot reuse the parameter slot
+    "grad", dynamic=True, gradient=True, written_before_read=True
 )
+ChunkKind.MASTER = ChunkKind("master", dynamic=False)  # fp32 masters (bf16/fp16 training)
+ChunkKind.EXP_AVG = ChunkKind("exp_avg", dynamic=False)
+ChunkKind.EXP_AVG_SQ = ChunkKind("exp_avg_sq", dynamic=False)
 
 
 @dataclass(eq=False)
@@ -208,6 +254,6 @@ class Chunk:
         """
         if self.pins:
             return False
-        if self.kind is ChunkKind.PARAM or self.kind is ChunkKind.GATHERED:
+        if self.kind.binds_params:
             return all(slot.state in MOVABLE_STATES for slot in self.layout.slots)
         return True

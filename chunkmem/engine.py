@@ -639,7 +639,7 @@ class Engine:
             "layouts": len(layouts),
             "chunks_by_kind": {
                 kind.value: sum(1 for c in self.residency.chunks.values() if c.kind is kind)
-                for kind in ChunkKind
+                for kind in ChunkKind.all()
             },
             "padding_elements": sum(layout.padding for layout in layouts),
             "used_elements": sum(layout.used for layout in layouts),

@@ -169,6 +169,6 @@ class GradStore:
             slot.grad_reduced = 0
             slot.grad_in_param_slot = False
         for chunk in list(self.residency.chunks.values()):
-            if chunk.kind is ChunkKind.GRAD or chunk.kind is ChunkKind.GRAD_SHARD:
+            if chunk.kind.gradient:
                 self.residency.free_payload(chunk)
         self.reducer.clear()

@@ -17,14 +17,13 @@ from collections.abc import Iterator
 
 import torch
 
-from chunkmem.chunk import DYNAMIC_KINDS, Chunk, ChunkKind, ChunkLayout
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.params import ParamStore
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Waitable
 from chunkmem.tiers import StorageTier
 
-_UPDATE_KINDS = (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.GRAD_SHARD)
 STATE_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 _MOMENTS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 
@@ -84,7 +83,7 @@ class OptimizerStates:
         master_bytes = 4 if self.params.keep_fp32_master else 0
         transient = self.gatherer.transient_kinds() | self.reducer.transient_kinds()
         chunks = self.residency.chunks.values()
-        dynamic = sum(c.nbytes for c in chunks if c.kind in DYNAMIC_KINDS - transient)
+        dynamic = sum(c.nbytes for c in chunks if c.kind.dynamic and c.kind not in transient)
         if transient:
             largest = max(layout.capacity for layout in self.params.layouts)
             dynamic += 2 * largest * self.params.compute_dtype.itemsize
@@ -180,11 +179,7 @@ class OptimizerStates:
         if self.home(layout).compute or ChunkKind.MASTER in chunks:
             return True  # nothing moves
         work = self.work_tier(layout)
-        return all(
-            chunks[k].tier is work or chunks[k].movable()
-            for k in _UPDATE_KINDS
-            if k in chunks and chunks[k].tier is not None
-        )
+        return all(c.tier is work or c.movable() for c in _update_storage(chunks))
 
     def prefetch(self, layout: ChunkLayout) -> None:
         """Start reading the states of ``layout`` (needed next) from a home that is not
@@ -236,7 +231,7 @@ class OptimizerStates:
         home = self.home(layout)
         work = self.work_tier(layout)
         chunks = layout.chunks
-        storage = [chunks[k] for k in _UPDATE_KINDS if k in chunks and chunks[k].tier is not None]
+        storage = _update_storage(chunks)
         residency = self.residency
         if home.compute:
             for chunk in storage:
@@ -262,3 +257,11 @@ class OptimizerStates:
         if work is not home:
             for chunk in states:
                 residency.move(chunk, home, "step")
+
+
+def _update_storage(chunks: dict[ChunkKind, Chunk]) -> list[Chunk]:
+    """What an update reads and writes besides its states: the parameter chunk and the
+    gradient chunks (whole, or this rank's shard), those with a payload."""
+    return [
+        c for k, c in chunks.items() if (k is ChunkKind.PARAM or k.gradient) and c.tier is not None
+    ]

@@ -4,8 +4,9 @@ It carries out what :mod:`chunkmem.placement` decides: allocate and free payload
 between tiers (:mod:`chunkmem.tiers`) with exact accounting in the ledger, make room by
 evicting, prefetch, and keep the device's non-model bytes in the ledger and the trace. It
 knows chunks, not parameters; the parameter binder hears about chunks arriving on or leaving
-the device through a :class:`ResidencyListener`, and a chunk whose content is derived from
-other chunks (a ZeRO-3 gathered copy) gets it from a :class:`ChunkFiller`.
+the device through a :class:`ResidencyListener`, and a chunk of a derived kind (a ZeRO-3
+gathered copy) is made by the :class:`Materializer` registered for its kind; residency never
+names such a kind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from chunkmem.chunk import DYNAMIC_KINDS, Chunk, ChunkKind, ChunkLayout
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.devices import ComputeDevice
 from chunkmem.errors import OutOfMemoryError
 from chunkmem.ledger import WORKSPACE, Ledger
@@ -36,9 +37,10 @@ class ResidencyListener(Protocol):
         """``chunk``'s device payload is about to go (unbind its parameters)."""
 
 
-class ChunkFiller(Protocol):
-    def fill(self, chunk: Chunk) -> None:
-        """Give a freshly allocated device payload of a derived chunk its content."""
+class Materializer(Protocol):
+    def materialize(self, chunk: Chunk, wait: bool) -> None:
+        """Give derived ``chunk`` (room for it made) a device payload with its content:
+        complete when ``wait``, else arriving (``chunk.arriving`` is what readers wait for)."""
 
 
 class Residency:
@@ -58,7 +60,8 @@ class Residency:
         self.tracer = tracer
         self.placement = placement
         self.listener: ResidencyListener | None = None
-        self.filler: ChunkFiller | None = None
+        # Kind -> who makes chunks of that derived kind (registered by the sharding strategy).
+        self.materializers: dict[ChunkKind, Materializer] = {}
         self.compute = tiers.compute
         self.chunks: dict[int, Chunk] = {}
         self._ids = itertools.count()
@@ -86,7 +89,7 @@ class Residency:
         self.chunks[chunk.id] = chunk
         layout.chunks[kind] = chunk
         if tier is not None:
-            if tier.compute and kind in DYNAMIC_KINDS:
+            if tier.compute and kind.dynamic:
                 self.make_room(chunk.nbytes, protect=set(), reason="allocate")
             self.allocate_payload(chunk, tier)
         return chunk
@@ -138,7 +141,7 @@ class Residency:
         self, chunk: Chunk, payload: torch.Tensor | None, tier: StorageTier | None
     ) -> None:
         """The one place a payload changes: keeps the device indexes in step."""
-        dynamic = chunk.kind in DYNAMIC_KINDS
+        dynamic = chunk.kind.dynamic
         if dynamic:
             self._dynamic_with_payload += (payload is not None) - (chunk.payload is not None)
         old, old_tier = chunk.payload, chunk.tier
@@ -272,10 +275,10 @@ class Residency:
 
     @staticmethod
     def evictable(chunk: Chunk) -> bool:
-        """Whether placement may evict ``chunk``. Gathered copies are dropped only by the
-        rule every rank applies alike (see ``ChunkManager.release``): a local eviction would
-        make this rank gather again alone, and a collective needs every rank."""
-        return chunk.kind is not ChunkKind.GATHERED and chunk.movable()
+        """Whether placement may evict ``chunk``. Derived chunks (a ZeRO-3 gathered copy) are
+        dropped only by their owner, by a rule every rank applies alike: a local eviction
+        would make this rank gather again alone, and a collective needs every rank."""
+        return not chunk.kind.derived and chunk.movable()
 
     def _rank(self) -> Callable[[Iterable[int]], list[int]]:
         return self.placement.rank(self.tracer, lambda c: self._last_access.get(c, -1))
@@ -336,7 +339,7 @@ class Residency:
         on_tier = [
             c
             for c in self.chunks.values()
-            if c.tier is tier and c.kind in DYNAMIC_KINDS and c.id not in protect and c.movable()
+            if c.tier is tier and c.kind.dynamic and c.id not in protect and c.movable()
         ]
         if self.tracer.replaying:
             on_tier.sort(key=lambda c: self.tracer.next_device_use(c.id))
@@ -356,21 +359,18 @@ class Residency:
                 used += chunk.nbytes
 
     def fetch(self, chunk: Chunk, protect: set[int], reason: str) -> None:
-        """Bring one chunk to the device: move it, allocate it, or (derived) fill it."""
+        """Bring one chunk to the device: move it, allocate it, or (derived) have the
+        materializer of its kind make it."""
         if chunk.on_device:
             return
         self.make_room(chunk.nbytes, protect, reason)
-        if chunk.kind is ChunkKind.GATHERED:
-            assert self.filler is not None and self.listener is not None
-            self.allocate_payload(chunk, self.compute, zeroed=False)
-            self.filler.fill(chunk)
-            self.listener.chunk_arrived(chunk)
+        if chunk.kind.derived:
+            self.materializers[chunk.kind].materialize(chunk, wait=True)
         elif chunk.tier is None:
             # Gradient chunks are written before they are read (the reduction zeroes what no
             # gradient wrote, see zero.reduce); a gradient shard is allocated only to receive
             # its first reduce-scatter, which writes all of it.
-            unwritten = chunk.kind is ChunkKind.GRAD or chunk.kind is ChunkKind.GRAD_SHARD
-            self.allocate_payload(chunk, self.compute, zeroed=not unwritten)
+            self.allocate_payload(chunk, self.compute, zeroed=not chunk.kind.written_before_read)
         else:
             self.move(chunk, self.compute, reason)
 

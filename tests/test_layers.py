@@ -127,3 +127,16 @@ def test_the_lazy_package_exports_what_it_lists() -> None:
     assert sorted(chunkmem.__all__) == sorted(chunkmem._PUBLIC)
     for name in chunkmem.__all__:
         assert getattr(chunkmem, name).__name__ == name
+
+
+def test_the_core_never_names_the_kinds_of_sharding() -> None:
+    """chunkmem/ acts on a chunk kind's properties (derived, gradient, ...); the kinds of
+    sharding are zero/'s (zero/kinds.py), made and owned there."""
+    names = {"GATHERED", "GRAD_SHARD", "HPZ_SECONDARY"}
+    named = []
+    for path in sorted((ROOT / "chunkmem").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            identifier = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", None)
+            if identifier in names:
+                named.append(f"{path.relative_to(ROOT)}:{node.lineno} {identifier}")
+    assert named == []

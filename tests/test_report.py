@@ -33,7 +33,7 @@ from tests.reference import token_batches, train_engine
 SMALL = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 ODD_NAME = 'gpt<b>&"q"'  # a legal module name that is also HTML markup
 ODD_LABEL = f"fwd:{ODD_NAME}.blocks.0.attn.qkv"
-KINDS = {kind.value for kind in ChunkKind} | {WORKSPACE}
+KINDS = {kind.value for kind in ChunkKind.all()} | {WORKSPACE}
 # Opcodes the unpickler inside MemoryViz.js (pytorch.org/memory_viz) implements.
 MEMORY_VIZ_JS_OPCODES = {
     "PROTO", "FRAME", "STOP", "MARK", "MEMOIZE", "BINPUT", "LONG_BINPUT", "BINGET",

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 import chunkmem
-from chunkmem.chunk import ChunkKind
 from chunkmem.models.gpt import GPT, GPTConfig
 from chunkmem.report.memory_trace import build_memory_trace
 from kernels.quantized import data_nbytes, num_groups
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from zero.gather import Then
+from zero.kinds import HPZ_SECONDARY
 from zero.wire import packed_nbytes
 
 WORLD, NODES, PER_NODE = 4, 2, 2
@@ -86,7 +86,7 @@ def _batch(step: int, rank: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor
 def _record_gathers(engine, log: dict) -> None:
     """Keep a copy of every gathered chunk as it arrives, by (step, phase, layout)."""
     gatherer = engine.gatherer
-    original = getattr(gatherer, "_gather", None)
+    original = getattr(gatherer, "_launch", None)
     if original is None:  # stages 1-2 gather updated shards at the step
         return
 
@@ -102,7 +102,7 @@ def _record_gathers(engine, log: dict) -> None:
             return handle
         return Then(handle, finish=keep)
 
-    gatherer._gather = gather
+    gatherer._launch = gather  # before any layout life took the method
 
 
 def train(comm, model: str, precision: str, zero: dict, blocks: int | None, accumulation: int):
@@ -134,12 +134,12 @@ def train(comm, model: str, precision: str, zero: dict, blocks: int | None, accu
             engine.backward(loss)
             losses.append(float(loss.detach()))
             if step == MEASURED and micro == accumulation - 1:
-                kind = ChunkKind.HPZ_SECONDARY.value
+                kind = HPZ_SECONDARY.value
                 secondary_bytes = sum(t.by_kind[kind] for t in engine.ledger.tiers.values())
             engine.step()
     comm_ledger = engine.states.sharding.comm.ledger
     report = build_memory_trace(engine.run_summary(), engine.ledger)
-    kind = ChunkKind.HPZ_SECONDARY.value
+    kind = HPZ_SECONDARY.value
     identical = [
         torch.equal(
             gathers[(MEASURED, "fwd", index)].view(torch.uint8),
@@ -153,7 +153,7 @@ def train(comm, model: str, precision: str, zero: dict, blocks: int | None, accu
         "capacities": [layout.capacity for layout in engine.params.trainable_layouts()],
         "secondary_bytes": secondary_bytes,
         "secondary_after_step": sum(
-            t.by_kind[ChunkKind.HPZ_SECONDARY.value] for t in engine.ledger.tiers.values()
+            t.by_kind[HPZ_SECONDARY.value] for t in engine.ledger.tiers.values()
         ),
         "identical": identical,
         "losses": losses,

@@ -4,8 +4,9 @@
   updates only its shard; after each layout's update the shards are all-gathered in place,
   asynchronously, overlapping the next layouts' updates.
 - :class:`GatherForCompute` (stage 3): a rank keeps only its shard; each use all-gathers the
-  layout into a ``GATHERED`` chunk, prefetched one traced moment ahead, and drops it by a rule
-  every rank applies alike (the trace says whether the phase needs it again). How the bytes
+  layout into a gathered copy, owned by the layout's :class:`zero.layout_life.LayoutLife`,
+  prefetched one traced moment ahead, and resharded by a rule every rank applies alike (the
+  trace says whether the phase needs it again). How the bytes
   travel is a :class:`WeightGather`: :class:`ExactAllGather`, or ZeRO++ qwZ's quantized one
   (``zero.quantized_gather``); ZeRO++ hpZ is a subclass (``zero.hierarchical_gather``).
 
@@ -27,6 +28,8 @@ from chunkmem.sharding import ParamGatherer, Sharding, Waitable
 from chunkmem.states import TensorState
 from chunkmem.tracer import Phase
 from zero.comm import Communicator, Group
+from zero.kinds import GATHERED
+from zero.layout_life import GatherState, LayoutLife
 
 AllGather = Callable[[torch.Tensor, torch.Tensor, bool], Waitable]
 
@@ -118,23 +121,37 @@ class GatherUpdatedShards(ParamGatherer):
 
 
 class GatherForCompute(ParamGatherer):
-    """Stage 3: parameters compute on a gathered copy of every rank's shard."""
+    """Stage 3: parameters compute on a gathered copy of every rank's shard, each owned by
+    its layout's :class:`zero.layout_life.LayoutLife`. The gatherer is the materializer of
+    the gathered kind (residency asks it for a copy a moment needs) and decides, by rules
+    every rank applies alike, when to gather ahead (prefetch) and when to reshard."""
 
-    compute_kind = ChunkKind.GATHERED
+    compute_kind = GATHERED
 
     def __init__(self, residency: Residency, weights: WeightGather) -> None:
         self.residency = residency
         self.tracer = residency.tracer
         self.weights = weights
-        self._drop_later: dict[int, ChunkLayout] = {}  # pinned when released
+        self._lives: dict[int, LayoutLife] = {}
+        self._releasing: dict[int, LayoutLife] = {}  # pinned when released; see at moment end
         # Layout -> its slots recomputed in this backward whose own backward has not run yet
         # (see [Note: one gather per unit per backward]).
-        self._awaiting_backward: dict[int, tuple[ChunkLayout, set[int]]] = {}
+        self._awaiting_backward: dict[int, tuple[LayoutLife, set[int]]] = {}
+        residency.materializers[GATHERED] = self
+
+    def life(self, layout: ChunkLayout) -> LayoutLife:
+        life = self._lives.get(layout.index)
+        if life is None:
+            life = self._lives[layout.index] = LayoutLife(
+                layout, self.residency, self._launch, self._before_drop
+            )
+        return life
 
     def transient_kinds(self) -> frozenset[ChunkKind]:
-        return frozenset({ChunkKind.GATHERED})
+        return frozenset({GATHERED})
 
-    def _gather(self, chunk: Chunk, phase: Phase, async_op: bool) -> Waitable:
+    # ------------------------------------------------------------------ how bytes travel
+    def _launch(self, chunk: Chunk, phase: Phase, async_op: bool) -> Waitable:
         """Launch the gather of every rank's shard into ``chunk`` (for a moment of ``phase``)."""
         shard = chunk.layout.chunks[ChunkKind.PARAM]
         self.residency.ensure_on_device([shard])
@@ -142,18 +159,18 @@ class GatherForCompute(ParamGatherer):
             shard.payload, chunk.payload, phase=phase.value, async_op=async_op
         )
 
-    def _start(self, chunk: Chunk, phase: Phase, async_op: bool) -> None:
-        handle = self._gather(chunk, phase, async_op)
-        if async_op:
-            chunk.arriving = handle
+    def _before_drop(self, gathered: Chunk) -> None:
+        """What a gathered copy leaves behind when it goes (nothing; hpZ keeps a part)."""
 
     def _phase_now(self) -> Phase:
         tracer = self.tracer
         moments = tracer.observed.moments
         return moments[-1].phase if tracer.index >= 0 and moments else Phase.FORWARD
 
-    def fill(self, chunk: Chunk) -> None:
-        self._start(chunk, self._phase_now(), async_op=False)
+    # ------------------------------------------------------------------ unshard
+    def materialize(self, chunk: Chunk, wait: bool) -> None:
+        """A moment needs ``chunk`` (residency made room for it)."""
+        self.life(chunk.layout).unshard(self._phase_now(), async_op=not wait)
 
     def after_access(self) -> None:
         """Start gathering the layouts the next traced moment needs, so the all-gather
@@ -167,15 +184,14 @@ class GatherForCompute(ParamGatherer):
             phase = replay.moments[index % len(replay)].phase
             for chunk_id, on_device in accessed.items():
                 chunk = residency.chunks.get(chunk_id)
-                if chunk is None or chunk.kind is not ChunkKind.GATHERED or not on_device:
+                if chunk is None or chunk.kind is not GATHERED or not on_device:
                     continue
                 if chunk.on_device:
                     continue
                 residency.make_room(chunk.nbytes, {chunk.id}, "prefetch")
-                residency.allocate_payload(chunk, residency.compute, zeroed=False)
-                self._start(chunk, phase, async_op=True)
-                residency.listener.chunk_arrived(chunk)  # type: ignore[union-attr]
+                self.life(chunk.layout).unshard(phase, async_op=True)
 
+    # ------------------------------------------------------------------ reshard
     def released(self, layout: ChunkLayout, slots: list[TensorSlot], state: TensorState) -> None:
         """[Note: one gather per unit per backward] Activation checkpointing recomputes a
         unit's forward in backward, right before the unit's own backward needs the same
@@ -184,8 +200,9 @@ class GatherForCompute(ParamGatherer):
         Dropped after the recomputation, it was gathered a third time (GPT 4x128 on 2 ranks:
         1.35x the bytes of two gathers per step; FSDP2 keeps its group unsharded from the
         recomputation through its backward the same way)."""
+        life = self.life(layout)
         if state is TensorState.HOLD_AFTER_FWD and self._phase_now() is Phase.BACKWARD:
-            _, awaiting = self._awaiting_backward.setdefault(layout.index, (layout, set()))
+            _, awaiting = self._awaiting_backward.setdefault(layout.index, (life, set()))
             awaiting.update(map(id, slots))
             return
         entry = self._awaiting_backward.get(layout.index)
@@ -194,50 +211,50 @@ class GatherForCompute(ParamGatherer):
             if entry[1]:
                 return
             del self._awaiting_backward[layout.index]
-        self._release(layout)
+        self._release(life)
 
     def backward_over(self) -> None:
         awaiting, self._awaiting_backward = self._awaiting_backward, {}
-        for layout, _slots in awaiting.values():
-            self._release(layout)
+        for life, _slots in awaiting.values():
+            self._release(life)
 
-    def _release(self, layout: ChunkLayout) -> None:
-        """Release a gathered copy once no one uses it and it is not needed again in this
+    def _release(self, life: LayoutLife) -> None:
+        """Reshard a gathered copy once no one uses it and it is not needed again in this
         phase (the trace says when): the other ranks' shards are gathered again next phase.
         A copy pinned for the rest of the moment is looked at again when the moment ends."""
-        gathered = layout.chunks[ChunkKind.GATHERED]
-        if not gathered.on_device:
+        if life.state is GatherState.SHARDED:
             return
+        gathered = life.chunk
         if not gathered.movable():
-            if gathered.pins:
-                self._drop_later[layout.index] = layout
+            if gathered.pins and life.state is GatherState.GATHERED:
+                life.defer()
+                self._releasing[life.layout.index] = life
             return
         if self.tracer.replaying and self.tracer.needed_again_this_phase(gathered.id):
             return
-        self._drop(gathered)
-
-    def _drop(self, gathered: Chunk) -> None:
-        """A gathered copy no later moment of its phase needs goes (hpZ keeps a part first)."""
-        self.residency.free_payload(gathered)
+        self.residency.ready(gathered)
+        life.reshard()
 
     def moment_over(self) -> None:
-        layouts, self._drop_later = list(self._drop_later.values()), {}
-        for layout in layouts:
-            self._release(layout)
+        releasing, self._releasing = list(self._releasing.values()), {}
+        for life in releasing:
+            life.keep()
+            self._release(life)
 
     def end_cycle(self) -> None:
         """Gathered copies are stale once the shards are updated."""
-        self._drop_later.clear()
+        self._releasing.clear()
         self._awaiting_backward.clear()
+        # Every gathered copy, also those packing built before any life knew the layout.
         for chunk in list(self.residency.chunks.values()):
-            if chunk.kind is ChunkKind.GATHERED:
-                self.residency.free_payload(chunk)
+            if chunk.kind is GATHERED and chunk.payload is not None:
+                self.life(chunk.layout).drop()
 
     def cancel(self) -> None:
         """Wait for every gather in flight (the peers issued them too), then drop every
         gathered copy: the next cycle gathers afresh."""
         in_flight = [
-            c for c in self.residency.chunks.values() if c.kind is ChunkKind.GATHERED and c.arriving
+            life.chunk for life in self._lives.values() if life.state is GatherState.GATHERING
         ]
         try:
             _await_all(self.residency, in_flight)

@@ -2,7 +2,7 @@
 
 When a gathered copy is dropped, each rank first keeps its part of it for its hpZ group of
 ``h`` consecutive ranks (a divisor of the node size): elements ``[i*c/h, (i+1)*c/h)`` of the
-layout's capacity ``c`` for group rank ``i``, in an ``HPZ_SECONDARY`` chunk. The next gather of
+layout's capacity ``c`` for group rank ``i``, in a chunk of kind ``zero.kinds.HPZ_SECONDARY``. The next gather of
 that layout, normally the backward one, all-gathers those parts inside the group: it never
 crosses nodes, and it reproduces the forward's gathered copy bit for bit (it is a copy of the
 same bytes, so with qwZ it holds what the forward's dequantization produced). The secondaries
@@ -30,12 +30,13 @@ rank's part again (``c/h`` elements, ``1/h`` of what the gather wrote), and
 
 from __future__ import annotations
 
-from chunkmem.chunk import Chunk, ChunkKind
+from chunkmem.chunk import Chunk
 from chunkmem.residency import Residency
 from chunkmem.sharding import Waitable
 from chunkmem.tracer import Phase
 from zero.comm import Group
 from zero.gather import ExactAllGather, GatherForCompute, Then, WeightGather
+from zero.kinds import HPZ_SECONDARY
 
 
 class HierarchicalGather(GatherForCompute):
@@ -50,10 +51,10 @@ class HierarchicalGather(GatherForCompute):
         self.group_rank = group.rank
         self.group_size = group.size
 
-    def _gather(self, chunk: Chunk, phase: Phase, async_op: bool) -> Waitable:
-        secondary = chunk.layout.chunks.get(ChunkKind.HPZ_SECONDARY)
+    def _launch(self, chunk: Chunk, phase: Phase, async_op: bool) -> Waitable:
+        secondary = chunk.layout.chunks.get(HPZ_SECONDARY)
         if secondary is None or secondary.tier is None:
-            return super()._gather(chunk, phase, async_op)
+            return super()._launch(chunk, phase, async_op)
         self.residency.ensure_on_device([secondary])
         secondary.pin()  # read by the gather until it completes
         try:
@@ -68,17 +69,16 @@ class HierarchicalGather(GatherForCompute):
             arrival.wait()
         return arrival
 
-    def _drop(self, gathered: Chunk) -> None:
-        """Keep this rank's part of the gathered copy (see the note on rewriting), then drop
-        it."""
+    def _before_drop(self, gathered: Chunk) -> None:
+        """Keep this rank's part of the gathered copy (see the note on rewriting)."""
         layout = gathered.layout
         residency = self.residency
-        secondary = layout.chunks.get(ChunkKind.HPZ_SECONDARY)
+        secondary = layout.chunks.get(HPZ_SECONDARY)
         if secondary is None:
             numel = layout.capacity // self.group_size
             secondary = residency.new_chunk(
                 layout,
-                ChunkKind.HPZ_SECONDARY,
+                HPZ_SECONDARY,
                 gathered.dtype,
                 None,
                 (self.group_rank * numel, numel),
@@ -90,11 +90,10 @@ class HierarchicalGather(GatherForCompute):
         with residency.pinned([secondary]):
             start = secondary.start
             secondary.payload.copy_(gathered.payload[start : start + secondary.numel])
-        super()._drop(gathered)
 
     def end_cycle(self) -> None:
         """The step changed the parameters: the secondaries copy old values."""
         super().end_cycle()
         for chunk in list(self.residency.chunks.values()):
-            if chunk.kind is ChunkKind.HPZ_SECONDARY:
+            if chunk.kind is HPZ_SECONDARY:
                 self.residency.free_payload(chunk)

@@ -28,6 +28,7 @@ from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer, Sharding, Waitable
 from zero.comm import Communicator
+from zero.kinds import GRAD_SHARD
 
 # Reduce-scatters running at once during backward: enough to overlap the next layouts'
 # gradients with communication, few enough that whole gradient chunks are freed as backward
@@ -83,7 +84,7 @@ class Reduction:
         chunks = layout.chunks
         self.layout = layout
         self.grad: Chunk = chunks[ChunkKind.GRAD]
-        self.shard: Chunk = chunks[ChunkKind.GRAD_SHARD]
+        self.shard: Chunk = chunks[GRAD_SHARD]
         self._residency = residency
         self._late: torch.Tensor | None = None
         self.grad.pin()
@@ -149,7 +150,7 @@ class ReduceScatterGrads(GradReducer):
         self._in_flight: dict[int, Reduction] = {}  # launch order
 
     def grad_source(self, slot: TensorSlot) -> Chunk:
-        return slot.layout.chunks[ChunkKind.GRAD_SHARD]
+        return slot.layout.chunks[GRAD_SHARD]
 
     def transient_kinds(self) -> frozenset[ChunkKind]:
         return frozenset({ChunkKind.GRAD}) if self.overlap else frozenset()
@@ -194,10 +195,10 @@ class ReduceScatterGrads(GradReducer):
     def _launch(self, layout: ChunkLayout) -> None:
         chunks = layout.chunks
         grad = chunks[ChunkKind.GRAD]
-        shard = chunks.get(ChunkKind.GRAD_SHARD)
+        shard = chunks.get(GRAD_SHARD)
         if shard is None:
             span = self.sharding.shard(layout)
-            shard = self.residency.new_chunk(layout, ChunkKind.GRAD_SHARD, grad.dtype, None, span)
+            shard = self.residency.new_chunk(layout, GRAD_SHARD, grad.dtype, None, span)
         adds_to_shard = shard.tier is not None
         self.residency.ensure_on_device([grad, shard])
         _zero_unwritten(grad)

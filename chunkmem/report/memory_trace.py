@@ -78,7 +78,7 @@ def build_memory_trace(summary: RunSummary, ledger: Ledger) -> dict[str, Any]:
 
 def kinds_seen(ledger: Ledger) -> list[str]:
     """Chunk kinds in a fixed order (then any other kind the ledger saw), for stable columns."""
-    known = [kind.value for kind in ChunkKind] + [WORKSPACE]
+    known = [kind.value for kind in ChunkKind.all()] + [WORKSPACE]
     seen = {kind for tier in ledger.tiers.values() for kind in tier.by_kind}
     for sample in ledger.moment_samples:
         for by_kind in sample.by_tier.values():
