@@ -391,6 +391,27 @@ def from_deepspeed(data: dict[str, Any], world_size: int | None = None) -> Confi
         raise ConfigError(
             f"the 'chunkmem' block of a DeepSpeed config must be an object, got {type(native).__name__}"
         )
+    try:
+        config, translation = _translate(data, native, world_size)
+    except ConfigError as error:
+        auto = _auto_keys(data)
+        if not auto:
+            raise
+        raise ConfigError(f"{error}\n{_auto_message(auto)}") from None
+    if translation.accepted:
+        by_note: dict[str, list[str]] = {}
+        for key, note in translation.accepted:
+            by_note.setdefault(note, []).append(key)
+        _log.info(
+            "DeepSpeed keys with no meaning for chunkmem, accepted: %s",
+            "; ".join(f"{', '.join(keys)} ({note})" for note, keys in by_note.items()),
+        )
+    return config
+
+
+def _translate(
+    data: dict[str, Any], native: dict[str, Any], world_size: int | None
+) -> tuple[Config, _Translation]:
     translation = _Translation(world_size if world_size is not None else _world_size())
     translation.walk(data, "")
     translation.finish(data)
@@ -402,20 +423,11 @@ def from_deepspeed(data: dict[str, Any], world_size: int | None = None) -> Confi
         )
     merged = _merge(translation.out, native)
     try:
-        config = Config.model_validate(merged)
+        return Config.model_validate(merged), translation
     except ValidationError as exc:
         raise ConfigError(
             describe_validation_error(exc, Config, lambda key: _name(key, translation.source))
         ) from None
-    if translation.accepted:
-        by_note: dict[str, list[str]] = {}
-        for key, note in translation.accepted:
-            by_note.setdefault(note, []).append(key)
-        _log.info(
-            "DeepSpeed keys with no meaning for chunkmem, accepted: %s",
-            "; ".join(f"{', '.join(keys)} ({note})" for note, keys in by_note.items()),
-        )
-    return config
 
 
 def _name(key: str, source: dict[str, str]) -> str:
@@ -703,6 +715,40 @@ def _refusal(rule: Rule, value: Any) -> str:
     return f"DeepSpeed key {rule.key!r} ({shown}) {when}{note}; remove it to run on chunkmem"
 
 
+def _auto_keys(data: dict[str, Any], prefix: str = "") -> list[str]:
+    """Keys whose value is "auto" and matters to chunkmem (an accepted key, such as a bucket
+    size, may be "auto" like any other value: it asks for nothing)."""
+    keys = []
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        rule = _BY_KEY.get(path)
+        if isinstance(value, dict):
+            keys.extend(_auto_keys(value, f"{path}."))
+        elif value == "auto" and (rule is None or rule.status is not Status.ACCEPTED):
+            keys.append(path)
+    return keys
+
+
+def _auto_message(keys: list[str]) -> str:
+    """What follows an error on a config with "auto" values.
+
+    [Note: "auto"] Hugging Face's Trainer fills a DeepSpeed config's "auto" values from its
+    TrainingArguments before DeepSpeed reads them; DeepSpeed itself refuses them. chunkmem
+    refuses them too when called directly (there are no TrainingArguments to fill them from),
+    naming every one, and chunkmem.integrations.hf fills them as the Trainer does."""
+    listed = ", ".join(repr(key) for key in keys)
+    return (
+        f"DeepSpeed key{'s' if len(keys) > 1 else ''} {listed} "
+        f'{"are" if len(keys) > 1 else "is"} "auto": Hugging Face\'s Trainer fills "auto" '
+        f"values from its TrainingArguments (precision from bf16/fp16, the optimizer's lr, betas, "
+        f"eps and weight decay, the scheduler's steps, batch sizes, accumulation and clipping), "
+        f"and chunkmem.initialize has no TrainingArguments to fill them from. Set each to its "
+        f'value (for example "bf16": {{"enabled": true}}, "optimizer": {{"params": '
+        f'{{"lr": 3e-4}}}}), or train through chunkmem.integrations.hf.ChunkmemTrainer, which '
+        f"fills them as Hugging Face's DeepSpeed integration does (docs/integrations.md)"
+    )
+
+
 def _unknown(path: str) -> str:
     close = difflib.get_close_matches(path, list(_BY_KEY) + sorted(_SECTIONS), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
@@ -750,6 +796,14 @@ def mapping_markdown() -> str:
         "naming it. A refused key is accepted while it asks for nothing (its feature disabled,",
         "or the value listed). Any other key is an error. Settings DeepSpeed has no key for go",
         'in a `"chunkmem"` block of the sections above.',
+        "",
+        'A value `"auto"` is a placeholder that Hugging Face\'s Trainer fills from its',
+        "`TrainingArguments` before DeepSpeed reads the config. `chunkmem.initialize` refuses",
+        "it, listing every such key, except on keys that are accepted whatever their value",
+        "(bucket sizes, persistence thresholds): set the values, or train through",
+        "`chunkmem.integrations.hf.ChunkmemTrainer`, which fills them as the Trainer does",
+        "([integrations.md](integrations.md#deepspeed-json-and-auto) lists which argument fills",
+        "which key).",
         "",
         "| DeepSpeed key | chunkmem | note |",
         "|---|---|---|",
