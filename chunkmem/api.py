@@ -193,7 +193,7 @@ def initialize(
     hooks = ModuleHooks(manager)
     unit = config.placement.unit_elements
     hooks.attach(model, choice.largest if unit == "chunk" else unit)
-    store_grad = _store_grad_hook(grads)
+    store_grad = _store_grad_hook(manager)
     grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
     activations = ActivationCounter(device.meter, residency)
     threads = None if offload.optimizer_threads == "auto" else offload.optimizer_threads
@@ -296,19 +296,19 @@ def _reserve_offload(
         raise
 
 
-def _store_grad_hook(grads: GradStore) -> Callable[[torch.nn.Parameter], None]:
-    """The gradient hook, holding the gradient store weakly.
+def _store_grad_hook(manager: ChunkManager) -> Callable[[torch.nn.Parameter], None]:
+    """The gradient hook, holding the manager weakly.
 
     Tensor hooks live where Python's garbage collector cannot follow them, so a hook that
-    held the store would close an uncollectable cycle (parameter -> hook -> store -> slot ->
-    parameter): every engine built and dropped would keep all its chunks alive.
+    held the manager would close an uncollectable cycle (parameter -> hook -> manager -> slot
+    -> parameter): every engine built and dropped would keep all its chunks alive.
     """
-    grads_ref = weakref.ref(grads)
+    manager_ref = weakref.ref(manager)
 
     def store_grad(param: torch.nn.Parameter) -> None:
-        live = grads_ref()
+        live = manager_ref()
         if live is not None:
-            live.store(param)
+            live.store_gradient(param)
 
     return store_grad
 

@@ -302,6 +302,7 @@ class Engine:
             self.reducer.begin_backward(final_micro_batch=final)
             self.grads.accepting = True
             self.grads.stored_in_backward = 0
+            self.manager.begin_backward()
             self.hooks.in_backward = True
             try:
                 with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):

@@ -41,6 +41,9 @@ class ChunkManager:
         self.gatherer = gatherer
         self.grads = grads
         self.tracer = residency.tracer
+        self._grads_in: set[int] = set()  # slots whose gradient of this backward is stored
+        # Post-backward releases that came before the parameter's gradient: slot -> count.
+        self._released_at_grad: dict[int, int] = {}
 
     # ------------------------------------------------------------------ moments
     def enter_moment(self, moment: Moment) -> None:
@@ -80,13 +83,48 @@ class ChunkManager:
             if not slot.bound:
                 self.binder.bind(slot, self.params.compute_chunk(slot))
 
+    def waits_for_gradient(self, slot: TensorSlot) -> bool:
+        """Whether ``slot``'s post-backward release waits for its gradient (see release)."""
+        return id(slot) in self._released_at_grad
+
+    def begin_backward(self) -> None:
+        self._grads_in.clear()
+        self._released_at_grad.clear()
+
+    def store_gradient(self, param: torch.nn.Parameter) -> None:
+        """Autograd finished ``param``'s gradient: store it, and carry out a post-backward
+        release that waited for it."""
+        self.grads.store(param)
+        slot = self.params.slots.get(id(param))
+        if slot is None:
+            return
+        self._grads_in.add(id(slot))
+        for _ in range(self._released_at_grad.pop(id(slot), 0)):
+            self.release([param], TensorState.HOLD_AFTER_BWD)
+
     def release(self, params: Sequence[torch.nn.Parameter], state: TensorState) -> None:
-        """One user of each of ``params`` is done; the last one moves it to ``state``."""
+        """One user of each of ``params`` is done; the last one moves it to ``state``.
+
+        [Note: a release waits for the gradient] A module's post-backward fires once the
+        autograd nodes reading its inputs have run; the node that accumulates a weight's
+        gradient may run later, and it needs the parameter bound, shape and all. A release
+        of a trainable parameter whose gradient of this backward has not arrived waits for it
+        (or for the end of backward): released at once, its gathered copy could go first and
+        autograd found an unbound parameter (ZeRO-3 with activation checkpointing, GPT 6x32:
+        'The size of tensor a (0) must match the size of tensor b (128)')."""
         released: dict[int, list[TensorSlot]] = {}
         known = self.params.slots
         for param in params:
             slot = known[id(param)]
             if slot.users == 0:
+                continue
+            if (
+                state is TensorState.HOLD_AFTER_BWD
+                and param.requires_grad
+                and self.grads.accepting
+                and id(slot) not in self._grads_in
+            ):
+                self._released_at_grad[id(slot)] = self._released_at_grad.get(id(slot), 0) + 1
                 continue
             slot.users -= 1
             if slot.users == 0:
@@ -100,6 +138,7 @@ class ChunkManager:
     def release_all(self, state: TensorState) -> None:
         """End of backward: whatever is still in COMPUTE goes to ``state``."""
         self.residency.release_transient_pins()
+        self._released_at_grad.clear()
         for slot in self.params.slots.values():
             if slot.state is TensorState.COMPUTE:
                 slot.users = 0
@@ -110,6 +149,7 @@ class ChunkManager:
     def reset_states(self) -> None:
         """End of a cycle (or an aborted one): every packed tensor back to HOLD."""
         self.residency.release_transient_pins()
+        self._released_at_grad.clear()
         for slot in self.params.slots.values():
             slot.users = 0
             if slot.state is not TensorState.HOLD:

@@ -26,7 +26,9 @@ def held_outside_backward_calls(engine: chunkmem.Engine) -> set[str]:
     stray = {
         slot.name
         for slot in engine.params.slots.values()
-        if slot.state is TensorState.COMPUTE and id(slot.param) not in held
+        if slot.state is TensorState.COMPUTE
+        and id(slot.param) not in held
+        and not engine.manager.waits_for_gradient(slot)  # a tied weight, until its gradient
     }
     return stray | {f"forward of {engine.hooks.labels[f.module]}" for f in engine.hooks.stack}
 

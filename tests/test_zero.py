@@ -196,9 +196,8 @@ def whole_gradient_peak(comm, stage: int) -> tuple[int, int]:
 
     def tracking_allocate(tier: str, kind: str, *args) -> None:
         allocate(tier, kind, *args)
-        if ledger.iteration >= 2:  # the first backward reduces only at its end
-            grads = ledger.device.by_kind["grad"] + ledger.tiers["host"].by_kind["grad"]
-            peak["grad"] = max(peak["grad"], grads)
+        grads = ledger.device.by_kind["grad"] + ledger.tiers["host"].by_kind["grad"]
+        peak["grad"] = max(peak["grad"], grads)
 
     ledger.allocate = tracking_allocate
     rows = global_batches(comm.size, 4)[:, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
@@ -214,7 +213,7 @@ def whole_gradient_peak(comm, stage: int) -> tuple[int, int]:
 def test_stage2_frees_whole_gradient_chunks_during_backward() -> None:
     """Stage 1 holds every whole gradient chunk until the step; stage 2 completes its
     reduce-scatters as backward goes, holding at most the ones in flight plus the ones being
-    filled."""
+    filled, from the first backward on (before, the first one reduced only at its end)."""
     from zero.reduce import MAX_REDUCTIONS_IN_FLIGHT
 
     stage1_peak, all_grads, largest = run_ranks(whole_gradient_peak, 2, 1, timeout_s=20)[0]
@@ -285,3 +284,128 @@ def test_a_dead_rank_stops_the_others_with_a_named_collective(stage: int) -> Non
     assert "on group 'world'" in message and (
         "reduce_scatter" in message or "all_gather" in message
     )
+
+
+# ---------------------------------------------------------------- the first iteration
+def first_iteration(comm, capacity: int | None) -> dict:
+    """ZeRO-3 with checkpointing in bf16; per iteration: the device peak and the bytes moved
+    to the host; and the losses."""
+    torch.manual_seed(0)
+    engine = chunkmem.initialize(
+        GPT(replace(CONFIG, n_layer=6, checkpoint=True)),
+        config={
+            "precision": "bf16",
+            "device": {"type": "simulated", "capacity": capacity or "1GiB"},
+            "chunk": {"size": CHUNK},
+            "zero": {"stage": 3, "timeout_s": 20},
+        },
+    )
+    ledger = engine.ledger
+    peaks, to_host, losses = [], [], []
+    rows = global_batches(comm.size, 4)[:, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
+    for iteration, row in enumerate(rows):
+        ledger.device.peak = ledger.device.used  # this iteration's peak from here
+        loss = engine(row[:, :-1], row[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        peaks.append(ledger.device.peak)
+        to_host.append(ledger.bytes_into("host", iteration))
+    return {"peaks": peaks, "to_host": to_host, "losses": losses}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_device_of_the_steady_peak_plus_ten_percent_trains_from_step_one() -> None:
+    """Before, the first backward held every whole gradient chunk until its end and the
+    recording cycle kept no chunk it did not use that moment: at this capacity the first
+    iteration spilled parameters and gradients to the host (4.8 MB here) and fetched them
+    back. Now it reduces as gradients come and keeps what fits, like every later one."""
+    roomy = run_ranks(first_iteration, 2, None, timeout_s=20)
+    steady = max(max(r["peaks"][1:]) for r in roomy)
+    capacity = int(1.1 * steady)
+    tight = run_ranks(first_iteration, 2, capacity, timeout_s=20)
+    for rank, result in enumerate(tight):
+        assert max(result["peaks"]) <= capacity, rank
+        assert result["peaks"][0] <= 1.1 * steady, rank
+        assert result["to_host"] == [0, 0, 0, 0], f"rank {rank} spilled: {result['to_host']}"
+        assert result["losses"] == roomy[rank]["losses"], "placement never changes a value"
+
+
+def branch_rank(comm, stage: int) -> dict:
+    """A unit whose second layer only rank 0's batch uses (data decides the branch): its
+    gradients exist on one rank only, from the first iteration on."""
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = Branchy()
+    engine = chunkmem.initialize(
+        model,
+        comm=comm,
+        config={
+            "device": {"type": "simulated", "capacity": "16MiB"},
+            "chunk": {"size": 256},
+            "optimizer": {"lr": 1e-2},
+            "zero": {"stage": stage, "timeout_s": 10},
+        },
+    )
+    for x, y in branch_batches()[comm.rank]:
+        engine.backward(engine(x, y, comm.rank == 0))
+        engine.step()
+    return engine.state_dict()
+
+
+class Branchy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.branch = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, take_branch: bool) -> torch.Tensor:
+        h = torch.tanh(self.first(x))
+        if take_branch:
+            h = h + torch.tanh(self.branch(h))
+        return torch.nn.functional.mse_loss(self.head(h), y)
+
+
+def branch_batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(11)
+    return [
+        [(torch.randn(4, 8, generator=generator), torch.randn(4, 2, generator=generator))
+         for _ in range(4)]
+        for _rank in range(2)
+    ]  # fmt: skip
+
+
+def branch_reference() -> dict[str, torch.Tensor]:
+    """Two ranks' gradients summed (rank 1 gives none to the branch), AdamW dividing by 2; a
+    parameter counts as having a gradient if any rank gave one."""
+    torch.manual_seed(0)
+    model = Branchy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    data = branch_batches()
+    for step in range(4):
+        grads: dict[str, torch.Tensor] = {}
+        for rank in range(2):
+            model.zero_grad(set_to_none=True)
+            x, y = data[rank][step]
+            model(x, y, rank == 0).backward()
+            for name, param in model.named_parameters():
+                if param.grad is not None:
+                    grads[name] = grads[name] + param.grad if name in grads else param.grad.clone()
+        for name, param in model.named_parameters():
+            param.grad = grads.get(name)
+        optimizer.grad_scale = torch.tensor(2.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_branch_one_rank_does_not_take_stays_in_step_bit_for_bit(stage: int) -> None:
+    """The branch's layout is complete on rank 0 when its gradients arrive and settled with
+    zeros by rank 1's end of backward; both issue the same reductions in the same order."""
+    expected = branch_reference()
+    for rank, state in enumerate(run_threads(branch_rank, 2, stage)):
+        differ = [name for name, value in expected.items() if not torch.equal(state[name], value)]
+        assert differ == [], f"rank {rank}: {differ}"
