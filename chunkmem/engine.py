@@ -409,7 +409,7 @@ class Engine:
         self.manager.reset_states()
         self.residency.trace_nonmodel_peak()
         self.tracer.end_cycle()
-        self.ledger.iteration += 1
+        self.ledger.next_iteration()
         self.states.sharding.set_tag(self.ledger.iteration)
         self.micro_steps = 0
         self.phase = EnginePhase.IDLE

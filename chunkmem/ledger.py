@@ -30,6 +30,7 @@ class TierAccount:
     nonmodel: int = 0
     peak: int = 0
     peak_model: int = 0
+    iteration_peak: int = 0  # the peak since the current iteration began
     model_bytes: int = 0  # chunks of every kind, workspaces excluded
     workspace_bytes: int = 0
 
@@ -51,6 +52,8 @@ class TierAccount:
 
     def _update_peak(self) -> None:
         used = self.used
+        if used > self.iteration_peak:
+            self.iteration_peak = used
         if used > self.peak:
             self.peak = used
         if self.model_bytes > self.peak_model:
@@ -128,7 +131,29 @@ class Ledger:
         # iterations (a long run must not grow), and in total.
         self._moved: OrderedDict[int, Counter[str]] = OrderedDict()
         self.moved_total: Counter[str] = Counter()
+        # Each tier's peak per iteration, for the same window of iterations.
+        self._peaks: OrderedDict[int, dict[str, int]] = OrderedDict()
         self._seq = 0
+
+    def next_iteration(self) -> None:
+        """The iteration (an optimizer step's cycle) ended: keep each tier's peak in it, and
+        start the next one's from what the tiers hold now."""
+        self._peaks[self.iteration] = {name: t.iteration_peak for name, t in self.tiers.items()}
+        while len(self._peaks) > MOVED_ITERATIONS_KEPT:
+            self._peaks.popitem(last=False)
+        for account in self.tiers.values():
+            account.iteration_peak = account.used
+        self.iteration += 1
+
+    def peak_in(self, tier: str, iteration: int) -> int:
+        """The highest bytes ``tier`` held during ``iteration`` (one of the last kept)."""
+        peaks = self._peaks.get(iteration)
+        if peaks is None:
+            raise KeyError(
+                f"iteration {iteration} is not among the ended iterations kept "
+                f"({list(self._peaks)[:1]}..{list(self._peaks)[-1:]})"
+            )
+        return peaks[tier]
 
     def would_fit(self, tier: str, nbytes: int) -> bool:
         available = self.tiers[tier].available

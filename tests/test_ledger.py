@@ -50,3 +50,18 @@ def test_bytes_moved_per_iteration_are_kept_for_a_bounded_window(monkeypatch) ->
     assert ledger.bytes_moved(9) == 8 and ledger.moved_total["device"] == 80
     with pytest.raises(KeyError, match="left the ledger's window"):
         ledger.bytes_moved(2)
+
+
+def test_each_iterations_peak_is_kept_per_tier() -> None:
+    ledger = Ledger({"device": 100, "host": None})
+    ledger.allocate("device", "param", 60, "a chunk", "chunk 0")
+    ledger.allocate("host", "grad", 10, "a chunk", "chunk 1")
+    ledger.free("device", "param", 60, "chunk 0")
+    ledger.next_iteration()
+    ledger.allocate("device", "param", 30, "a chunk", "chunk 2")
+    ledger.next_iteration()
+    assert [ledger.peak_in("device", i) for i in (0, 1)] == [60, 30]
+    assert [ledger.peak_in("host", i) for i in (0, 1)] == [10, 10]  # still held in iteration 1
+    assert ledger.device.peak == 60 and ledger.iteration == 2
+    with pytest.raises(KeyError, match="iteration 2 is not among the ended iterations"):
+        ledger.peak_in("device", 2)

@@ -304,12 +304,11 @@ def first_iteration(comm, capacity: int | None) -> dict:
     peaks, to_host, losses = [], [], []
     rows = global_batches(comm.size, 4)[:, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
     for iteration, row in enumerate(rows):
-        ledger.device.peak = ledger.device.used  # this iteration's peak from here
         loss = engine(row[:, :-1], row[:, 1:])
         engine.backward(loss)
         engine.step()
         losses.append(float(loss.detach()))
-        peaks.append(ledger.device.peak)
+        peaks.append(ledger.peak_in("device", iteration))
         to_host.append(ledger.bytes_into("host", iteration))
     return {"peaks": peaks, "to_host": to_host, "losses": losses}
 

@@ -171,7 +171,8 @@ def render(result: Estimate) -> str:
     rows: list[tuple[str, str]] = [
         (
             "device peak",
-            f"{_size(memory.peak_device_bytes)}  (at {memory.peak_device_at})",
+            f"{_size(memory.peak_device_bytes)}  (at {memory.peak_device_at}; first "
+            f"iteration {_size(memory.first_cycle_peak_device_bytes)})",
         ),
         *((f"  {kind}", _size(nbytes)) for kind, nbytes in memory.device_bytes_at_peak.items()),
         ("device minimum (chunks moving)", _size(memory.min_device_bytes)),

@@ -109,6 +109,7 @@ class MemoryEstimate:
 
     peak_device_bytes: int
     peak_device_at: str  # the moment of the peak, as the report names moments
+    first_cycle_peak_device_bytes: int  # the first iteration's (it records the trace)
     device_bytes_at_peak: dict[str, int]  # by chunk kind, plus activations
     activation_peak_bytes: int
     min_device_bytes: int  # the smallest device that trains (chunks moving every step)
@@ -174,13 +175,17 @@ class _Simulation:
         return f"{phase}:{self.trace.unit_labels[unit]}"
 
     # the iteration
-    def run(self, state_bytes_on_device: int) -> None:
+    def run(self, state_bytes_on_device: int, until_step: int | None = None) -> None:
+        """One step's cycle; ``until_step``: the state bytes on the device before its step
+        (the first cycle: its masters, if they start there; the step places the rest)."""
         device = self.device
         device.add("param", self.param_bytes(), "start")
-        device.add("optimizer states", state_bytes_on_device, "start")
+        before = state_bytes_on_device if until_step is None else until_step
+        device.add("optimizer states", before, "start")
         grads: set[int] = set()
         for micro in range(self.accumulation):
             self._micro_batch(grads, final=micro == self.accumulation - 1)
+        device.add("optimizer states", state_bytes_on_device - before, "step")
         self._step(grads)
 
     def _micro_batch(self, grads: set[int], final: bool) -> None:
@@ -351,6 +356,9 @@ def estimate_memory(
         config, on_device=True
     )
     sim.run(device_state)
+    first = _Simulation(trace, packed, config, world_size, states_on_device=bool(on_device))
+    masters = sum(sim.state_elements(i) for i in trainable) * 4 if sim.mixed else 0
+    first.run(device_state, until_step=masters if masters_on_device else 0)
     host_state = sum(
         n * state_bytes_per_element(config, on_device=False)
         for n, home in zip(elements, homes, strict=True)
@@ -366,6 +374,7 @@ def estimate_memory(
     estimate = MemoryEstimate(
         peak_device_bytes=device.peak,
         peak_device_at=device.peak_at,
+        first_cycle_peak_device_bytes=first.device.peak,
         device_bytes_at_peak=device.peak_by_kind,
         activation_peak_bytes=activation_peak(trace),
         min_device_bytes=_min_device(sim),
