@@ -183,6 +183,8 @@ def test_fit_resumes_from_its_last_checkpoint_bit_for_bit(tmp_path: Path) -> Non
     assert resumed.losses == whole.losses[SAMPLES // BATCH :]
     assert_same_state(resumed.state_dict(), whole.state_dict())
     assert run.lr_scheduler_configs[0].scheduler.last_epoch == EPOCHS * SAMPLES // BATCH
+    with pytest.raises(chunkmem.CheckpointError, match="during fit"):
+        run.save_checkpoint(tmp_path / "after_fit.ckpt")  # fit closed the engine
     with pytest.raises(chunkmem.CheckpointError, match="is a file"):
         not_ours = tmp_path / "plain.ckpt"
         torch.save({}, not_ours)

@@ -74,8 +74,7 @@ class _EngineOptimizer:
     dicts, and the schedule writes them), and nothing to step or zero, because
     ``training_step`` already ran ``engine.step()`` and the engine holds the gradients."""
 
-    def __init__(self, engine: Engine, optimizer: torch.optim.Optimizer) -> None:
-        self.engine = engine
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
 
     @property
@@ -156,7 +155,7 @@ class ChunkmemTrainerMixin:
         join_world_of_one(config)
         self.engine = chunkmem.initialize(self.model, optimizer=torch_optimizer, config=config)
         self._torch_optimizer = torch_optimizer
-        self.optimizer = _EngineOptimizer(self.engine, torch_optimizer)
+        self.optimizer = _EngineOptimizer(torch_optimizer)
         self.callback_handler.optimizer = self.optimizer
         self._engine_model = _EngineModel(self.engine)
 
@@ -223,9 +222,11 @@ class ChunkmemTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Every rank (under ZeRO the shards are gathered): the consolidated weights, fp32
         where the engine keeps masters, written with ``save_pretrained`` (safetensors, the
-        config, the processing class) for ``from_pretrained``; PEFT writes the adapters."""
+        config, the processing class) for ``from_pretrained``; PEFT writes the adapters.
+        Every rank returns once the files are written, so any rank may load them."""
         state = self.engine.state_dict()
         self._save(output_dir or self.args.output_dir, state_dict=state)
+        self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 

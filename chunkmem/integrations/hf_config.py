@@ -115,7 +115,7 @@ class TrainerConfig:
         """The schedule the config names, its DeepSpeed step counts filled; None: none."""
         if self.deepspeed_schedule is not None:
             section = fill_auto({"scheduler": self.deepspeed_schedule}, args, 1, num_training_steps)
-            return from_deepspeed(section).scheduler
+            return from_deepspeed(section, world_size=1).scheduler  # the schedule alone
         return self.native_schedule
 
 

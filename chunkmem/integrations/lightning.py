@@ -24,7 +24,6 @@ by ``batch_idx``.
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -118,8 +117,6 @@ class ChunkmemStrategy(ParallelStrategy):
     closed and the LightningModule holds the trained values as ordinary tensors.
     """
 
-    strategy_name = "chunkmem"
-
     def __init__(
         self,
         config: Config | dict[str, Any] | str | Path | None = None,
@@ -178,8 +175,11 @@ class ChunkmemStrategy(ParallelStrategy):
         rank_zero_only.rank = self.global_rank
 
     def _configure_launcher(self) -> None:
+        """Lightning's launcher starts the other processes (and sets LOCAL_RANK, which
+        chunkmem.initialize picks the GPU by, as torchrun does); one process needs none."""
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
+        several = self.num_processes * self.num_nodes > 1
+        if several and not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
@@ -190,8 +190,6 @@ class ChunkmemStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        # chunkmem.initialize picks the GPU by LOCAL_RANK (torchrun's variable).
-        os.environ["LOCAL_RANK"] = str(self.local_rank)
         if self.world_size > 1:
             assert self.cluster_environment is not None
             backend = self._process_group_backend or _get_default_process_group_backend_for_device(
@@ -226,11 +224,12 @@ class ChunkmemStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
         optimizer = None
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self.setup_optimizers(trainer)
             optimizer = self._the_optimizer()
-        _refuse_what_cannot_work(trainer, module, self)
+        _refuse_what_cannot_work(trainer, module, self, fitting)
         precision = self.precision_plugin.precision
         self.precision_plugin = _EnginePrecision(self, precision)
         config = self._engine_config(trainer, precision, optimizer is not None)
@@ -402,7 +401,13 @@ class ChunkmemStrategy(ParallelStrategy):
         """Every rank: the engine's checkpoint directory at ``filepath``, with the rest of
         Lightning's checkpoint as its client state. A directory already there (``last.ckpt``)
         is replaced once the new one is complete."""
-        assert self.engine is not None
+        if self.engine is None:
+            raise CheckpointError(
+                "ChunkmemStrategy saves checkpoints while its engine is open, during fit; at "
+                "the end of fit it closed the engine and gave the module its parameters back. "
+                "Save from ModelCheckpoint or a callback during fit (or take the weights: "
+                "module.state_dict())"
+            )
         if storage_options is not None:
             raise TypeError(
                 "ChunkmemStrategy writes chunkmem checkpoints (DCP directories); "
@@ -446,7 +451,7 @@ class ChunkmemStrategy(ParallelStrategy):
 
 
 def _refuse_what_cannot_work(
-    trainer: pl.Trainer, module: pl.LightningModule, strategy: ChunkmemStrategy
+    trainer: pl.Trainer, module: pl.LightningModule, strategy: ChunkmemStrategy, fitting: bool
 ) -> None:
     """Lightning features the engine cannot serve, each refused by name before training."""
     precision = strategy.precision_plugin
@@ -457,6 +462,8 @@ def _refuse_what_cannot_work(
             f"Use precision '32-true' (and the chunkmem config's 'precision'), 'bf16-mixed' "
             f"or '16-mixed'"
         )
+    if not fitting:
+        return
     if not module.automatic_optimization:
         raise ConfigError(
             "manual optimization (automatic_optimization = False) does not work with "
