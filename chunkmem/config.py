@@ -252,8 +252,17 @@ class OffloadConfig(_Section):
         False,
         description="Start a chunk group's host update as soon as its gradients are final (after "
         "its reduce-scatter under ZeRO-2/3), on a host thread while backward continues. "
-        "Gradient clipping and fp16 need every gradient first: with either, the step stays "
-        "serial. The update then happens in backward: engine.step() must follow.",
+        "With gradient clipping, fp16 or nonfinite: skip the update is speculative: it "
+        "assumes the step will neither clip, overflow nor meet a non-finite gradient, and is "
+        "rolled back exactly when it does (docs/offload.md). The update then happens in "
+        "backward: engine.step() must follow.",
+    )
+    speculation_bytes: ByteSize | None = Field(
+        None,
+        description="Host bytes the copies that make speculative updates undoable may hold "
+        "(the states a group's update overwrites: 12 bytes an element in bf16/fp16 with fp32 "
+        "states). When they are full, the remaining groups wait for the step's norm. null: as "
+        "much as the host budget has room for.",
     )
     optimizer_threads: int | Literal["auto"] = Field(
         "auto",

@@ -156,6 +156,8 @@ class Engine:
         self.micro_steps = 0
         self.global_steps = 0
         self.last_grad_norm: float | None = None
+        # This step's speculative early updates: "commit", "rollback" or None (none taken).
+        self.last_speculation: str | None = None
         self.stopped_because: str | None = None
         self.cycles_started = 0  # aborted cycles included: collectives carry the number
         self._closed = False
@@ -298,6 +300,7 @@ class Engine:
             )
         factor = self.scaler.scale / self.config.gradient_accumulation_steps
         final = self.micro_steps + 1 == self.config.gradient_accumulation_steps
+        self.optimizer.loss_scale = self.scaler.scale  # what an early update divides by
         try:
             self.reducer.begin_backward(final_micro_batch=final)
             self.grads.accepting = True
@@ -337,6 +340,7 @@ class Engine:
             raise EngineUsageError(
                 f"engine.step() needs engine.backward() first (the engine is {self.phase.value})"
             )
+        self.last_speculation = None
         self.micro_steps += 1
         if self.micro_steps < self.config.gradient_accumulation_steps:
             self.phase = EnginePhase.IDLE
@@ -381,6 +385,12 @@ class Engine:
         scale = self.scaler.scale
         norm = self.optimizer.grad_norm() / scale
         self.last_grad_norm = norm
+        coefficient = clip_coefficient(norm, self.config.gradient_clipping)
+        speculated = self.optimizer.speculating
+        held = math.isfinite(norm) and coefficient == 1.0
+        self.optimizer.settle_speculation(held)  # updates begun in backward stand or are undone
+        if speculated:
+            self.last_speculation = "commit" if held else "rollback"
         if math.isfinite(norm):
             return False, scale / clip_coefficient(norm, self.config.gradient_clipping)
         if self.config.precision == "fp16":
@@ -417,7 +427,10 @@ class Engine:
     def _abort_update(self, error: BaseException, call: str) -> None:
         """Abort after ``error`` in a call that may have begun updating parameters (the
         step; backward with ``offload.overlap``): if it did, or a tier lost chunk content,
-        the engine stops."""
+        the engine stops. Speculative early updates are undone first, exactly."""
+        if self.optimizer.speculating:
+            with contextlib.suppress(BaseException):  # if undoing fails, the engine stops
+                self.optimizer.settle_speculation(held=False)
         updated = self.optimizer.layouts_updated
         self._abort(error)
         if self.stopped_because is not None:
@@ -465,6 +478,7 @@ class Engine:
         optimizer states are untouched, and the next forward starts a fresh cycle (e.g. after
         a loss that is not finite, or a batch the caller decides to skip)."""
         self._check_not_stopped()
+        self.optimizer.settle_speculation(held=False)  # speculative early updates are undone
         if self.optimizer.layouts_updated:
             raise EngineUsageError(
                 f"engine.discard(): the update of {self.optimizer.layouts_updated} chunk "
@@ -575,6 +589,7 @@ class Engine:
     def run_summary(self) -> RunSummary:
         """What a report needs to know about this run besides the ledger."""
         homes = self.states.homes
+        speculation = self.optimizer.speculation
         device = self.residency.device.torch_device
         gpu = gpu_memory(device.index or 0) if device.type == "cuda" else None
         return RunSummary(
@@ -596,6 +611,8 @@ class Engine:
             config=self.config.model_dump(mode="json"),
             skipped_steps=self.scaler.skipped_steps,
             peak_rss_bytes=peak_rss_bytes(),
+            speculative_commits=speculation.commits if speculation else 0,
+            speculative_rollbacks=speculation.rollbacks if speculation else 0,
             gpu=None if gpu is None else dataclasses.asdict(gpu),
         )
 

@@ -66,9 +66,18 @@ class LayoutUpdate:
         after: list[Callable[[], None]],
         reads: list[Waitable],
         grads: list[torch.Tensor],
+        chunks: dict[ChunkKind, Chunk],
+        pieces: list[Piece],
+        steps: list[torch.Tensor],
     ) -> None:
         self.layout = layout
         self.slot_ids = {id(slot) for slot in slots}
+        self.chunks = chunks  # pinned on the work tier until ``finish``
+        self.pieces = pieces
+        self.steps = steps  # the step counts this update advanced
+        # Run on the update's thread once its reads are in, before the kernels (a speculative
+        # update copies what it will overwrite: offload/speculation.py).
+        self.before_run: list[Callable[[], None]] = []
         self.pending: Future | None = None  # the run, when another thread does it
         self.finished = False
         # An early update measures the gradients it is about to consume, for the step's
@@ -85,6 +94,8 @@ class LayoutUpdate:
     def run(self) -> None:
         for read in self._reads:
             read.wait()
+        for hook in self.before_run:
+            hook()
         if self.measure_grad_norms and self._grads:
             norms = torch._foreach_norm(self._grads, 2, dtype=torch.float32)
             self.grad_norms = [n.cpu() for n in norms]
@@ -194,7 +205,9 @@ class UpdateBuilder:
         except BaseException:
             stack.close()
             raise
-        return LayoutUpdate(self, layout, slots, stack, calls, after, reads, grads)
+        return LayoutUpdate(
+            self, layout, slots, stack, calls, after, reads, grads, chunks, pieces, steps
+        )
 
     def run_calls(self, calls: list[Callable[[], None]]) -> None:
         """Run one layout's kernel calls."""

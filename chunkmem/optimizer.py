@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,6 +36,21 @@ from chunkmem.layout_update import LayoutUpdate, Piece, UpdateBuilder, owned_pie
 from chunkmem.tracer import Moment, Phase
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
+
+
+class SpeculationLike(Protocol):
+    """What the optimizer asks of ``offload.speculation.Speculation``."""
+
+    @property
+    def active(self) -> bool: ...
+
+    def reserve(self, layout: ChunkLayout, pieces: list[Piece]) -> Any: ...
+
+    def commit(self) -> None: ...
+
+    def roll_back(self) -> list[Any]: ...
+
+    def cancel(self) -> None: ...
 
 
 def groups_from_torch_optimizer(
@@ -104,6 +119,10 @@ class ChunkAdam:
         # a half update counts; reset when the step ends, and by an abort's cancel.
         self.layouts_updated = 0
         self.launched: dict[int, LayoutUpdate] = {}  # layout index -> update begun early
+        # Where early updates are speculative (offload/speculation.py sets it): what makes
+        # them undoable. The loss scale of the backward running, which they divide by.
+        self.speculation: SpeculationLike | None = None
+        self.loss_scale = 1.0
 
     @property
     def step_counts(self) -> dict[TensorSlot, torch.Tensor]:
@@ -161,9 +180,16 @@ class ChunkAdam:
         pieces = owned_pieces(layout, self.states.state_span(layout))
         if not pieces:
             return False
+        snapshot = None
+        if self.speculation is not None:
+            snapshot = self.speculation.reserve(layout, pieces)
+            if snapshot is None:
+                return False  # no room to make it undoable: it waits for the step's norm
         update = self.updates.prepare(
-            layout, pieces, float(self.sharding.world_size), defer_reads=True
+            layout, pieces, self.loss_scale * self.sharding.world_size, defer_reads=True
         )
+        if snapshot is not None:
+            snapshot.attach(update)
         # The step's norm check needs these gradients, which the run consumes: the run
         # measures them first, on its own thread (``grad_norm`` waits for it).
         update.measure_grad_norms = True
@@ -185,6 +211,31 @@ class ChunkAdam:
                 update.wait()
                 update.finish()
 
+    @property
+    def speculating(self) -> bool:
+        """Whether early updates of this cycle were taken speculatively (undoable)."""
+        return self.speculation is not None and self.speculation.active
+
+    def settle_speculation(self, held: bool) -> None:
+        """The norm is known: keep the speculative early updates (``held``: the step neither
+        clips, overflows nor meets a non-finite value), or undo them all exactly, so that
+        the step updates every layout itself (offload/speculation.py)."""
+        if not self.speculating:
+            return
+        assert self.speculation is not None
+        if held:
+            self.speculation.commit()
+            return
+        launched, self.launched = self.launched, {}
+        for update in launched.values():
+            update.wait()
+            update.finish()
+        undone = self.speculation.roll_back()
+        self.layouts_updated -= len(undone)
+        for snapshot in undone:
+            for slot in snapshot.grad_slots:  # the slot holds its gradient again
+                self.manager.binder.unbind(slot)
+
     def cancel(self) -> None:
         """An aborted cycle: wait for every early update's run, then release what each one
         holds; the first error is raised after all are released."""
@@ -196,6 +247,8 @@ class ChunkAdam:
                 update.wait()
             except BaseException as exc:  # noqa: BLE001 - re-raised below, after the rest
                 error = error or exc
+        if self.speculation is not None:
+            self.speculation.cancel()  # after the runs that write the copies
         for update in launched.values():
             try:
                 update.finish(completed=False)

@@ -22,6 +22,7 @@ from chunkmem.params import ParamStore
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Waitable
+from chunkmem.staging import Staging
 from chunkmem.tiers import StorageTier
 
 STATE_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
@@ -57,6 +58,7 @@ class OptimizerStates:
         self.offload_to = offload_to
         self.ratio = ratio
         self.offloaded_state_dtype = offloaded_state_dtype
+        self.staging = Staging(residency)
         self.homes: dict[int, StorageTier] | None = None  # layout index -> tier
         # Moments loaded from a checkpoint before the first step: place() starts from them.
         self._preloaded: dict[tuple[int, ChunkKind], torch.Tensor] = {}
@@ -167,10 +169,9 @@ class OptimizerStates:
         return self.homes[layout.index]
 
     def work_tier(self, layout: ChunkLayout) -> StorageTier:
-        """Where the layout's update computes: its home, or the spill tier (host memory) for
-        a home that is not addressable."""
-        home = self.home(layout)
-        return home if home.addressable else self.residency.tiers.spill
+        """Where the layout's update computes: its home, or host memory for a home that is
+        not addressable (``chunkmem.staging``)."""
+        return self.staging.work_tier(self.home(layout))
 
     def can_update_now(self, layout: ChunkLayout) -> bool:
         """Whether the chunks an update moves to its work tier may move now (in backward, a
@@ -183,19 +184,11 @@ class OptimizerStates:
 
     def prefetch(self, layout: ChunkLayout) -> None:
         """Start reading the states of ``layout`` (needed next) from a home that is not
-        addressable, as far as the spill tier has room without evicting anything."""
-        home = self.home(layout)
-        if home.addressable:
-            return
-        residency = self.residency
-        spill = residency.tiers.spill
+        addressable, as far as host memory has room without evicting anything."""
         for kind in STATE_KINDS:
             chunk = layout.chunks.get(kind)
-            if chunk is None or chunk.tier is not home or not chunk.movable():
-                continue
-            if not residency.ledger.would_fit(spill.name, chunk.nbytes):
+            if chunk is not None and not self.staging.read_ahead(chunk, "prefetch states"):
                 return
-            residency.move(chunk, spill, "prefetch states")
 
     def flush(self) -> None:
         """Every state at its home when the step ends: states read ahead for an update that
@@ -205,13 +198,10 @@ class OptimizerStates:
         assert self.homes is not None
         for layout in self.params.trainable_layouts():
             home = self.home(layout)
-            if home.addressable:
-                continue
             for kind in STATE_KINDS:
                 chunk = layout.chunks.get(kind)
                 if chunk is not None:
-                    self.residency.move(chunk, home, "step")
-                    self.residency.ready(chunk)
+                    self.staging.write_back(chunk, home, "step", wait=True)
 
     @contextlib.contextmanager
     def update_chunks(
@@ -242,9 +232,8 @@ class OptimizerStates:
                 residency.touch(chunk, on_device=False)
                 residency.move(chunk, work, "step")
         states = [chunks[k] for k in STATE_KINDS if k in chunks]
-        if work is not home:
-            for chunk in states:
-                residency.move(chunk, work, "step")
+        for chunk in states:
+            self.staging.stage(chunk, "step")
         present = {k: c for k, c in chunks.items() if c.tier is not None}
         read = [c for c in states if c.arriving is not None] if reads is not None else []
         with (
@@ -254,9 +243,8 @@ class OptimizerStates:
             if reads is not None:
                 reads.extend(c.arriving for c in read)  # type: ignore[misc]
             yield present
-        if work is not home:
-            for chunk in states:
-                residency.move(chunk, home, "step")
+        for chunk in states:
+            self.staging.write_back(chunk, home, "step", wait=False)
 
 
 def _update_storage(chunks: dict[ChunkKind, Chunk]) -> list[Chunk]:

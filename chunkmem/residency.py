@@ -532,26 +532,30 @@ class Residency:
         tier: StorageTier,
         protect: set[int],
         within: RoomLimit = "budget",
+        kind: str = WORKSPACE,
     ) -> torch.Tensor:
-        """A scratch buffer on ``tier``; ``within`` as for :meth:`make_room`."""
+        """A scratch buffer on ``tier``; ``within`` as for :meth:`make_room`; ``kind`` is what
+        the ledger and the report call its bytes."""
         nbytes = numel * dtype.itemsize
         if tier.compute:
             self.make_room(nbytes, protect, "workspace", within)
             self.trace_nonmodel_peak()
         else:
             self.make_tier_room(tier, nbytes, protect, within)
-        self.ledger.allocate(tier.name, WORKSPACE, nbytes, "a workspace", WORKSPACE)
+        self.ledger.allocate(tier.name, kind, nbytes, f"a {kind}", kind)
         buffer = tier.allocate(numel, dtype)
         if tier.compute:
             self._restart_nonmodel_peak()
         return buffer
 
-    def free_workspace(self, buffer: torch.Tensor, tier: StorageTier) -> None:
+    def free_workspace(
+        self, buffer: torch.Tensor, tier: StorageTier, kind: str = WORKSPACE
+    ) -> None:
         """Until the caller drops ``buffer`` the allocator still holds it, so the peak is not
         restarted here: until the next change it may read high by the workspace, never low."""
         if tier.compute:
             self.trace_nonmodel_peak()
-        self.ledger.free(tier.name, WORKSPACE, buffer.numel() * buffer.element_size(), WORKSPACE)
+        self.ledger.free(tier.name, kind, buffer.numel() * buffer.element_size(), kind)
         tier.free(buffer)
 
     @contextlib.contextmanager

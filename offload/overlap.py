@@ -10,14 +10,13 @@ updates the rest (layouts homed on the device, gradients that came late) in orde
 results are those of the serial step bit for bit: each layout's update reads and writes only
 its own chunks, and the kernels' results do not depend on when or on which thread they run.
 
-[Note: what keeps the step serial] Global-norm clipping, fp16's overflow check and
-``nonfinite: skip`` need every gradient before any update: with any of them,
-``offload.overlap`` falls back to the serial step (said once in the log). With the default
-``nonfinite: raise``, a non-finite gradient found after updates began in backward stops the
-engine (the updated chunk groups cannot be taken back). Deferring exactly would need the update to be undone or redone once
-the norm is known; Adam's moments are not linear in the gradient, so nothing short of keeping
-a copy of every state would do. For the same reason, with overlap the update happens in
-backward: ``engine.discard()`` after such a backward refuses and asks for ``engine.step()``.
+[Note: what makes an update speculative] Global-norm clipping, fp16's overflow check and
+``nonfinite: skip`` need every gradient before any update. With any of them the early updates
+are speculative (``offload/speculation.py``): each first copies what it will overwrite, and
+when the norm is known they stand or are undone exactly and the step runs serially. With none
+of them (and the default ``nonfinite: raise``) an early update is final: a non-finite gradient
+found after updates began stops the engine, and ``engine.discard()`` after such a backward
+refuses and asks for ``engine.step()``.
 """
 
 from __future__ import annotations
@@ -30,19 +29,20 @@ from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config
 from chunkmem.optimizer import ChunkAdam
 from chunkmem.sharding import GradReducer
+from offload.speculation import Speculation
 
 _log = logging.getLogger("chunkmem.offload")
 
 
-def serial_reasons(config: Config) -> list[str]:
-    """Why this config's step cannot overlap backward (empty: it can)."""
+def speculative_reasons(config: Config) -> list[str]:
+    """Why this config's early updates must be undoable (empty: they are final)."""
     reasons = []
     if config.gradient_clipping > 0:
-        reasons.append("gradient clipping needs the norm of every gradient before any update")
+        reasons.append("gradient clipping needs the norm of every gradient")
     if config.precision == "fp16":
-        reasons.append("fp16's overflow check needs every gradient before any update")
+        reasons.append("fp16's overflow check needs every gradient")
     if config.nonfinite == "skip":
-        reasons.append("nonfinite: skip needs every gradient checked before any update")
+        reasons.append("nonfinite: skip needs every gradient checked")
     return reasons
 
 
@@ -113,12 +113,16 @@ class OverlappedStep:
 
 
 def attach(config: Config, optimizer: ChunkAdam, reducer: GradReducer) -> OverlappedStep | None:
-    """The overlapped step for an engine whose config asks for it, unless something in the
-    config needs the serial step (then one logged line says what)."""
+    """The overlapped step for an engine whose config asks for it; speculative where the
+    config needs every gradient before an update (one logged line says why)."""
     if not config.offload.overlap:
         return None
-    reasons = serial_reasons(config)
+    reasons = speculative_reasons(config)
     if reasons:
-        _log.warning("offload.overlap: the step stays serial: %s", "; ".join(reasons))
-        return None
+        optimizer.speculation = Speculation(optimizer.residency, config.offload.speculation_bytes)
+        _log.info(
+            "offload.overlap: host updates start in backward speculatively and are undone "
+            "exactly when the assumption fails (%s)",
+            "; ".join(reasons),
+        )
     return OverlappedStep(optimizer, reducer)

@@ -194,25 +194,6 @@ def test_the_overlapped_norm_check_sees_the_serial_norm_and_stops_on_nan() -> No
     assert norms[True] == norms[False]
 
 
-def test_clipping_keeps_the_step_serial_and_says_so(caplog) -> None:
-    data = batches(6, rows=8)
-    runs = {}
-    for overlap in (False, True):
-        with caplog.at_level(logging.WARNING, logger="chunkmem.offload"):
-            engine = initialize(
-                make_model(),
-                device=DEVICE,
-                gradient_clipping=0.5,
-                offload={"optimizer": "host", "overlap": overlap},
-            )
-        assert engine.reducer.listener is None
-        train_engine(engine, data)
-        runs[overlap] = engine.state_dict()
-    assert "the step stays serial: gradient clipping" in caplog.text
-    for name, value in runs[False].items():
-        assert torch.equal(runs[True][name], value), name
-
-
 def test_discard_after_an_overlapped_backward_asks_for_the_step() -> None:
     data = batches(3, rows=8)
     engine = initialize(make_model(), device=DEVICE, offload={"optimizer": "host", "overlap": True})

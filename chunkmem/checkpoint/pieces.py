@@ -19,6 +19,7 @@ A tied parameter is one slot and is stored once, under its first name.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import Span
-from chunkmem.tiers import StorageTier
+from chunkmem.staging import Staging
 
 MOMENTS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 
@@ -147,51 +148,41 @@ def pieces_of_span(
 
 class ChunkAccess:
     """Chunk contents for a checkpoint's boxes, one chunk at a time where its tier is not
-    addressable (the NVMe tier).
+    addressable (the NVMe tier), borrowed through ``chunkmem.staging``.
 
-    Reading takes a copy of such a chunk (``Residency.contents``); writing moves it to the
-    spill tier, where DCP writes into it, and back to its home when the next chunk is asked
-    for or at :meth:`release`. DCP asks for boxes in plan order (one thread, no copy-ahead),
-    and the plan lists each chunk's boxes together, so each chunk is read once per file it
-    has boxes in.
+    Reading takes a copy of such a chunk; writing stages it into host memory, where DCP writes
+    into it, and sends it back home when the next chunk is asked for or at :meth:`release`.
+    DCP asks for boxes in plan order (one thread, no copy-ahead), and the plan lists each
+    chunk's boxes together, so each chunk is read once per file it has boxes in.
     """
 
     def __init__(self, residency: Residency, writing: bool) -> None:
-        self.residency = residency
+        self.staging = Staging(residency)
         self.writing = writing
         self._chunk: Chunk | None = None
-        self._home: StorageTier | None = None
+        self._borrow: contextlib.ExitStack | None = None
         self._contents: torch.Tensor | None = None
 
     def flat(self, chunk: Chunk) -> Callable[[], torch.Tensor]:
         return lambda: self.contents(chunk)
 
     def contents(self, chunk: Chunk) -> torch.Tensor:
-        residency = self.residency
-        residency.ready(chunk)
-        assert chunk.tier is not None and chunk.payload is not None, f"{chunk!r} has no payload"
-        if chunk.tier.addressable:
-            return chunk.payload
         if chunk is not self._chunk:
             self.release()
-            if self.writing:
-                self._home = chunk.tier
-                residency.move(chunk, residency.tiers.spill, "checkpoint")
-                residency.ready(chunk)
-                self._contents = chunk.payload
-            else:
-                self._contents = residency.contents(chunk)
-            self._chunk = chunk
+            borrow = contextlib.ExitStack()
+            self._contents = borrow.enter_context(
+                self.staging.borrowed(chunk, self.writing, "checkpoint")
+            )
+            self._chunk, self._borrow = chunk, borrow
         assert self._contents is not None
         return self._contents
 
     def release(self) -> None:
-        """The chunk staged last goes back to its home (its write is waited for)."""
-        chunk, home = self._chunk, self._home
-        self._chunk = self._home = self._contents = None
-        if chunk is not None and home is not None:
-            self.residency.move(chunk, home, "checkpoint")
-            self.residency.ready(chunk)
+        """The chunk borrowed last is given back (staged: written home, the write waited for)."""
+        borrow = self._borrow
+        self._chunk = self._borrow = self._contents = None
+        if borrow is not None:
+            borrow.close()
 
 
 def value_chunk(layout: ChunkLayout) -> Chunk:

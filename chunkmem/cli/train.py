@@ -257,6 +257,7 @@ class TrainingRun:
             "moved_bytes": stats.moved_bytes,
             "wire_bytes": stats.wire_bytes,
             "rss_bytes": rss_bytes(),
+            "speculation": self.engine.last_speculation,
             "elapsed_s": round(elapsed_s, 3),
         }
         gpu = self._gpu()

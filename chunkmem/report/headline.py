@@ -38,5 +38,7 @@ def headline(document: dict[str, Any]) -> dict[str, Any]:
         # The operating system's and the driver's numbers, beside the ledger's (reports
         # written before they were recorded have none).
         "peak_rss_bytes": summary.get("peak_rss_bytes"),
+        "speculative_commits": summary.get("speculative_commits", 0),
+        "speculative_rollbacks": summary.get("speculative_rollbacks", 0),
         "gpu": summary.get("gpu"),
     }

@@ -106,6 +106,10 @@ def _summary_section(summary: dict[str, Any]) -> str:
         ("loss scale", f"{summary['loss_scale']:g}"),
         ("steps skipped (overflow or non-finite)", summary["skipped_steps"]),
         (
+            "speculative host updates: steps committed / rolled back",
+            f"{summary.get('speculative_commits', 0)} / {summary.get('speculative_rollbacks', 0)}",
+        ),
+        (
             "traces recorded / divergences",
             f"{summary['tracer']['cycles_recorded']} / {summary['tracer']['divergences']}",
         ),

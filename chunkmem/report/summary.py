@@ -32,3 +32,7 @@ class RunSummary:
     # process's highest RSS, and the GPU's memory and utilisation when there is one.
     peak_rss_bytes: int = 0
     gpu: dict[str, Any] | None = None
+    # Steps whose host updates began speculatively in backward (offload.overlap under
+    # clipping, fp16 or nonfinite: skip): kept, or undone because the assumption failed.
+    speculative_commits: int = 0
+    speculative_rollbacks: int = 0

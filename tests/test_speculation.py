@@ -1,0 +1,191 @@
+"""Speculative host updates (offload/speculation.py): with clipping, fp16 or nonfinite: skip,
+updates start in backward assuming coefficient 1, no overflow, finite values, and are undone
+exactly when that fails. Every step must equal the serial step's, bit for bit, whatever the
+outcome: clipping forced on chosen steps, an fp16 overflow, a NaN; in one process and at ZeRO
+0, 2 and 3 on 2 ranks (the in-process world), with states on the host and on NVMe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chunkmem.errors import EngineUsageError
+from tests.distributed_helpers import one_rank_at_a_time, run_threads
+from tests.offload_helpers import batches, initialize, make_model
+
+DEVICE = {"type": "simulated", "capacity": 500_000}
+STEPS = 8
+BIG = {2, 5}  # steps whose loss is scaled up: the norm exceeds the clip, clipping fires
+POISON = {4}  # steps whose loss is NaN (fp16: an overflow; nonfinite: skip: skipped)
+
+
+def recipe(kind: str) -> dict:
+    """The clip sits above this model's norms (8-13) and below a scaled step's (8e4-9e4)."""
+    return {
+        "clip": {"precision": "bf16", "gradient_clipping": 100.0},
+        "fp16": {"precision": "fp16", "gradient_clipping": 100.0},
+        "skip": {"precision": "bf16", "gradient_clipping": 100.0, "nonfinite": "skip"},
+    }[kind]
+
+
+def offload_for(where: str, overlap: bool, path) -> dict:
+    return {"optimizer": where, "overlap": overlap,
+            "nvme": {"path": str(path), "block_size": 4096}}  # fmt: skip
+
+
+def train(engine, data, rows: slice, poison: bool) -> list:
+    """Per step: the losses, whether the step was taken, the norm, and the state after it."""
+    out = []
+    for step, (x, y) in enumerate(data):
+        loss = engine(x[rows], y[rows])
+        if step in BIG:
+            loss = loss * 1e4
+        if poison and step in POISON:
+            loss = loss * float("nan")
+        engine.backward(loss)
+        taken = engine.step()
+        out.append((float(loss.detach()), taken, engine.last_grad_norm, engine.state_dict()))
+    return out
+
+
+def same_steps(ours: list, theirs: list) -> None:
+    for step, (a, b) in enumerate(zip(ours, theirs, strict=True)):
+        assert a[1] == b[1], step  # taken or skipped alike
+        for x, y in ((a[0], b[0]), (a[2], b[2])):  # losses and norms, NaN alike
+            assert x == y or (x != x and y != y), step
+        for name, value in b[3].items():
+            assert torch.equal(a[3][name], value), (step, name)
+
+
+@pytest.mark.parametrize("kind", ["clip", "fp16", "skip"])
+@pytest.mark.parametrize("where", ["host", "nvme"])
+def test_speculative_steps_equal_the_serial_steps_bit_for_bit(kind, where, tmp_path) -> None:
+    data = batches(STEPS, rows=8)
+    poison = kind != "clip"
+    runs, engines = {}, {}
+    for overlap in (False, True):
+        engine = initialize(
+            make_model(),
+            device=DEVICE,
+            offload=offload_for(where, overlap, tmp_path),
+            **recipe(kind),
+        )
+        runs[overlap] = train(engine, data, slice(None), poison)
+        engines[overlap] = engine
+    same_steps(runs[True], runs[False])
+    speculative = engines[True]
+    summary = speculative.run_summary()
+    forced = len(BIG) + (len(POISON) if poison else 0)
+    assert summary.speculative_rollbacks == forced
+    assert summary.speculative_commits == STEPS - 1 - forced  # the first cycle places states
+    assert speculative.reducer.listener.started >= (STEPS - 1 - forced) * 2
+    for engine in engines.values():
+        engine.close()
+
+
+def test_speculation_memory_is_counted_bounded_and_freed_at_the_step() -> None:
+    data = batches(4, rows=8)
+    engine = initialize(
+        make_model(),
+        device=DEVICE,
+        offload={"optimizer": "host", "overlap": True, "speculation_bytes": 110_000},  # fmt: skip
+        **recipe("clip"),
+    )
+    host = engine.ledger.tiers["host"]
+    held = []
+    for x, y in data:
+        engine.backward(engine(x, y))
+        held.append(host.by_kind.get("speculation", 0))
+        engine.step()
+        assert host.by_kind.get("speculation", 0) == 0, "released at the step"
+    assert 0 < max(held) <= 110_000, held
+    roomy = initialize(make_model(), device=DEVICE,
+                       offload={"optimizer": "host", "overlap": True}, **recipe("clip"))  # fmt: skip
+    for x, y in data:
+        roomy.backward(roomy(x, y))
+        roomy.step()
+    bounded = engine.reducer.listener.started
+    assert 0 < bounded < roomy.reducer.listener.started, "the budget held groups back"
+
+
+def test_a_failed_backward_undoes_speculative_updates_and_the_engine_trains_on() -> None:
+    """Before, a backward that had begun updating stopped the engine on any exception."""
+    data = batches(6, rows=8)
+    runs = {}
+    for fail in (False, True):
+        engine = initialize(make_model(), device=DEVICE,
+                            offload={"optimizer": "host", "overlap": True}, **recipe("clip"))  # fmt: skip
+        for step, (x, y) in enumerate(data):
+            if fail and step == 3:
+                loss = engine(x, y)
+                loss.register_hook(lambda grad: grad)  # the backward starts normally
+                engine.module.out.weight.register_hook(_raise_late)
+                with pytest.raises(RuntimeError, match="late failure"):
+                    engine.backward(loss)
+                assert engine.optimizer.layouts_updated == 0
+                _remove_hooks(engine.module.out.weight)
+                continue
+            if step == 3:
+                continue  # the run without the failure skips the batch too
+            engine.backward(engine(x, y))
+            engine.step()
+        runs[fail] = engine.state_dict()
+    for name, value in runs[False].items():
+        assert torch.equal(runs[True][name], value), name
+
+
+def _raise_late(grad: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("late failure in backward")
+
+
+def _remove_hooks(param: torch.nn.Parameter) -> None:
+    param._backward_hooks.clear()
+
+
+def speculative_rank(comm, stage: int, where: str, overlap: bool, path: str) -> list:
+    with one_rank_at_a_time(comm):
+        model = make_model()
+    engine = initialize(
+        model,
+        comm=comm,
+        device={"type": "simulated", "capacity": "8MiB"},
+        zero={"stage": stage, "timeout_s": 20},
+        offload={
+            **offload_for(where, overlap, path),
+            "optimizer_threads": 1,
+        },  # fmt: skip
+        **recipe("skip"),
+    )
+    half = 8 // comm.size
+    out = train(engine, batches(STEPS, rows=8), slice(comm.rank * half, (comm.rank + 1) * half),
+                poison=True)  # fmt: skip
+    summary = engine.run_summary()
+    engine.close()
+    return [out, summary.speculative_rollbacks]
+
+
+@pytest.mark.parametrize(("stage", "where"), [(2, "host"), (2, "nvme"), (3, "host"), (3, "nvme")])
+def test_zero_ranks_speculate_and_roll_back_alike(stage: int, where: str, tmp_path) -> None:
+    serial = run_threads(speculative_rank, 2, stage, where, False, str(tmp_path))
+    speculative = run_threads(speculative_rank, 2, stage, where, True, str(tmp_path))
+    for rank in range(2):
+        same_steps(speculative[rank][0], serial[rank][0])
+        assert speculative[rank][1] == len(BIG) + len(POISON), rank
+
+
+def test_discard_after_a_speculative_backward_undoes_it() -> None:
+    engine = initialize(make_model(), device=DEVICE,
+                        offload={"optimizer": "host", "overlap": True}, **recipe("clip"))  # fmt: skip
+    data = batches(4, rows=8)
+    for x, y in data[:2]:
+        engine.backward(engine(x, y))
+        engine.step()
+    before = engine.state_dict()
+    x, y = data[2]
+    engine.backward(engine(x, y))
+    assert engine.optimizer.layouts_updated > 0, "updates began in backward"
+    engine.discard()
+    after = engine.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    with pytest.raises(EngineUsageError, match="needs engine.backward"):
+        engine.step()
