@@ -9,7 +9,8 @@ import os
 import platform
 import statistics
 import subprocess
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,24 @@ import psutil
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+# The CPU features that decide how fast bf16 runs: without AVX-512 BF16 or AMX, torch emulates
+# bf16 arithmetic through fp32 conversions, several times slower than fp32 itself.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+# Environment variables that cap the instruction set torch and oneDNN use (to emulate an
+# older CPU): a result measured under them says so.
+CPU_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+
+
+def _load_average() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+# Every benchmark imports this module first, so its import is when the benchmark started.
+_STARTED = {
+    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    "monotonic": time.monotonic(),
+    "load_average": _load_average(),
+}
 
 
 def parse_args(
@@ -56,6 +75,26 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags(cpuinfo: str | None = None) -> dict[str, bool] | None:
+    """Which of CPU_FLAGS the CPU has, from the first `flags` line of /proc/cpuinfo (None
+    where there is none, as on other systems)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            present = set(line.split(":", 1)[1].split())
+            return {flag: flag in present for flag in CPU_FLAGS}
+    return None
+
+
+def cpu_isa_overrides(env: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The instruction-set caps set in the environment (CPU_ISA_VARIABLES), if any."""
+    return {name: env[name] for name in CPU_ISA_VARIABLES if name in env}
+
+
 def environment(quick: bool) -> dict[str, Any]:
     """Where and when a result was measured: written into every results JSON.
 
@@ -81,10 +120,17 @@ def environment(quick: bool) -> dict[str, Any]:
             else os.cpu_count(),
             "memory_bytes": psutil.virtual_memory().total,
             "os": platform.platform(),
+            "cpu_flags": cpu_flags(),
+            # What torch dispatches to: lower than the flags allow under an override below.
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_isa_overrides": cpu_isa_overrides(),
         },
-        # Other processes' load when the results were written: timings from a busy machine
-        # are not comparable with a quiet one's (byte counts are).
-        "load_average_1_5_15_min": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "started": _STARTED["date"],
+        "wall_s": round(time.monotonic() - _STARTED["monotonic"], 1),
+        # Other processes' load when the benchmark started and when its results were written:
+        # timings from a busy machine are not comparable with a quiet one's (byte counts are).
+        "load_average_at_start_1_5_15_min": _STARTED["load_average"],
+        "load_average_at_end_1_5_15_min": _load_average(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "quick": quick,
