@@ -45,6 +45,13 @@ test-slow: $(STAMP)
 bench: $(STAMP)
 	for b in chunk_traffic overhead max_model; do $(PY) -m benchmarks.$$b || exit 1; done
 
+# Which benchmarks/results/*.json are older than the code they measure (benchmarks/staleness.py,
+# docs/benchmarks.md): git and the standard library only, no venv, no benchmark runs. Exit 1
+# when a result is stale.
+.PHONY: bench-check
+bench-check:
+	$(PYTHON) -m benchmarks.staleness
+
 # Compile-check every CUDA source for Ampere and Hopper with the flags the loader uses
 # (kernels/_cuda.py). Needs no GPU; without nvcc it says so and passes.
 NVCC ?= nvcc
