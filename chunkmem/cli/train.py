@@ -257,6 +257,7 @@ class TrainingRun:
             "moved_bytes": stats.moved_bytes,
             "wire_bytes": stats.wire_bytes,
             "rss_bytes": rss_bytes(),
+            "grad_norm": self.engine.last_grad_norm,  # before clipping: above the clip, it fired
             "speculation": self.engine.last_speculation,
             "elapsed_s": round(elapsed_s, 3),
         }

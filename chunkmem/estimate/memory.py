@@ -40,6 +40,7 @@ from chunkmem.layout_update import WORKSPACE_ELEMENTS
 from chunkmem.packing import Packer
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.sizing import COMPUTE_DTYPES, ChunkSizes, separate_grads
+from offload.overlap import speculative_reasons
 from zero.reduce import MAX_REDUCTIONS_IN_FLIGHT
 
 ACTIVATIONS = "activations"
@@ -435,7 +436,23 @@ def _host_workspace(config: Config, sim: _Simulation, homes: list[str], gpu: boo
         total += 2 * max(groups) * state_bytes_per_element(config, on_device=False)
     if gpu and any(home != "device" for home in homes):
         total += max(groups) * 2 * sim.itemsize
-    return total
+    return total + _speculation(config, sim, homes)
+
+
+def _speculation(config: Config, sim: _Simulation, homes: list[str]) -> int:
+    """The copies that make speculative host updates undoable (offload/speculation.py): the
+    states (and 16-bit slots holding gradients) of every group updated on the host in
+    backward, up to ``offload.speculation_bytes``."""
+    if not config.offload.overlap or not speculative_reasons(config):
+        return 0
+    moments = 2 * (4 if config.offload.state_dtype == "fp32" else 2)
+    per_element = 4 + moments + (0 if sim.separate_grads else sim.itemsize)
+    elements = sum(
+        sim.state_elements(i) for i, home in zip(sim.packed.trainable, homes, strict=True)
+        if home != "device"
+    )  # fmt: skip
+    budget = config.offload.speculation_bytes
+    return min(elements * per_element, budget if budget is not None else elements * per_element)
 
 
 def _warmup_host(sim: _Simulation, masters_on_device: bool) -> int:
