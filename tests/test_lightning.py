@@ -131,6 +131,31 @@ def test_one_process_trains_like_the_engine_driven_by_hand() -> None:
         assert torch.equal(torch.cat(predictions), module(data.tensors[0]))
 
 
+class ConfiguredByChunkmem(Regressor):
+    """No optimizer of its own: the config's AdamW and WarmupLR, which the engine steps."""
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+def test_without_configure_optimizers_the_config_s_optimizer_and_schedule_train() -> None:
+    config = {
+        **CONFIG,
+        "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.0},
+        "scheduler": {"type": "WarmupLR", "warmup_num_steps": 4},
+    }
+    module = ConfiguredByChunkmem()
+    start = copy.deepcopy(module)
+    data = dataset()
+    trainer(config).fit(module, DataLoader(data, batch_size=BATCH))
+    engine = chunkmem.initialize(start, config=config)
+    for _ in range(EPOCHS):
+        for x, y in DataLoader(data, batch_size=BATCH):
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+    assert_same_state(module.state_dict(), engine.state_dict())
+
+
 def _on_a_rank(comm, config: dict) -> tuple[dict, dict, list[float], list[float]]:
     """Lightning under a torchrun environment (the process group exists), then the same
     engine by hand over the DistributedSampler's batches Lightning gave this rank."""
