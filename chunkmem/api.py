@@ -31,7 +31,6 @@ from chunkmem.placement import Placement
 from chunkmem.residency import Residency
 from chunkmem.saved_tensors import ActivationCounter
 from chunkmem.schedulers import build_scheduler
-from chunkmem.sharding import Strategy
 from chunkmem.sizing import (
     ALIGNMENT_ELEMENTS,
     COMPUTE_DTYPES,
@@ -43,6 +42,7 @@ from chunkmem.sizing import (
     moment_floor_bytes,
     separate_grads,
 )
+from chunkmem.strategies import build_strategy
 from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
 from offload.nvme import NvmeTier
@@ -130,15 +130,13 @@ def initialize(
     )
     grads_apart = separate_grads(config.precision, config.gradient_accumulation_steps, sharded)
     _check_capacity(capacity, choice, trainable_numels, frozen_numels, compute_dtype, grads_apart)
-    strategy = Strategy()
     if comm is not None:
         from zero.setup import check_ranks_agree, fingerprint
-        from zero.strategy import ZeroStrategy
 
         check_ranks_agree(
             comm, fingerprint(model, config, (choice.trainable.size, choice.frozen.size))
         )
-        strategy = ZeroStrategy(config.zero, comm, device.torch_device)
+    strategy = build_strategy(config, comm, device.torch_device)
 
     state_dtype = STATE_DTYPES[config.offload.state_dtype]
     if state_dtype != torch.float32 and native_host_optimizer() is None:

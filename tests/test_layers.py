@@ -24,6 +24,8 @@ USER_SURFACE = (
     "chunkmem.checkpoint",
     "chunkmem.cli",
     "chunkmem.estimate",
+    "chunkmem.strategies",
+    "chunkmem.integrations",
     "chunkmem.__main__",
 )
 
@@ -140,3 +142,15 @@ def test_the_core_never_names_the_kinds_of_sharding() -> None:
             if identifier in names:
                 named.append(f"{path.relative_to(ROOT)}:{node.lineno} {identifier}")
     assert named == []
+
+
+def test_the_estimator_never_asks_which_stage_runs() -> None:
+    """chunkmem/estimate/ composes the cost models of the seams (chunkmem/costs.py); a ZeRO
+    stage, or a ZeRO++ switch, read there would be a second engine falling behind the first."""
+    switches = {"stage", "quantized_weights", "quantized_gradients", "hpz_partition_size"}
+    read = []
+    for path in sorted((ROOT / "chunkmem" / "estimate").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in switches:
+                read.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.attr}")
+    assert read == []

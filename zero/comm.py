@@ -46,7 +46,12 @@ import torch
 from torch import Tensor
 
 from chunkmem.errors import CollectiveError
-from zero.comm_ledger import CollectiveRecord, CommLedger
+from zero.comm_ledger import (
+    CollectiveRecord,
+    CommLedger,
+    cross_node_elements,
+    elements_sent_per_rank,
+)
 from zero.identity import CollectiveIdentity, MismatchError
 from zero.process_group import Group, init_world
 
@@ -269,7 +274,7 @@ class Communicator:
             "all_gather",
             g,
             full,
-            numel * (g.size - 1) // g.size,
+            elements_sent_per_rank("all_gather", numel, g.size),
             lambda identity: self.transport.all_gather(full, shard, g, identity),
             async_op,
         )
@@ -285,7 +290,7 @@ class Communicator:
             "reduce_scatter",
             g,
             full,
-            numel * (g.size - 1) // g.size,
+            elements_sent_per_rank("reduce_scatter", numel, g.size),
             lambda identity: self.transport.reduce_scatter(full, shard, g, identity),
             async_op,
         )
@@ -311,7 +316,7 @@ class Communicator:
             "all_reduce",
             g,
             tensor,
-            2 * numel * (g.size - 1) // g.size,
+            elements_sent_per_rank("all_reduce", numel, g.size),
             lambda identity: self.transport.all_reduce(tensor, op, g, identity),
             async_op,
         )
@@ -380,7 +385,7 @@ class Communicator:
             "all_to_all",
             g,
             send[0],
-            numel * (g.size - 1) // g.size,
+            elements_sent_per_rank("all_to_all", numel, g.size),
             lambda identity: self.transport.all_to_all(send, received, g, identity),
             async_op,
             numel=numel,
@@ -401,7 +406,13 @@ class Communicator:
             lambda timeout: self.transport.gather_bytes(pickle.dumps(obj), g, identity, timeout),
         )
         numel = g.size * (_LENGTH_BYTES + max(len(p) for p in payloads))
-        self._record("all_gather_object", g, numel, numel * (g.size - 1) // g.size, torch.uint8)
+        self._record(
+            "all_gather_object",
+            g,
+            numel,
+            elements_sent_per_rank("all_gather_object", numel, g.size),
+            torch.uint8,
+        )
         return [pickle.loads(payload) for payload in payloads]
 
     def barrier(self, *, group: Group | None = None) -> None:
@@ -542,23 +553,13 @@ class Communicator:
                 bytes_sent=elements_sent * itemsize,
                 dtype="" if dtype is None else str(dtype).removeprefix("torch."),
                 tag=self.tag,
-                cross_node_bytes=self._cross_node_elements(op, group, elements_sent) * itemsize,
+                cross_node_bytes=cross_node_elements(
+                    op, group.ranks, group.ranks[group.rank], self.topology, elements_sent
+                )
+                * itemsize,
                 phase=self.phase,
             )
         )
-
-    def _cross_node_elements(self, op: str, group: Group, elements_sent: int) -> int:
-        """How many of ``elements_sent`` go to another node (the note on intra-node and
-        cross-node bytes)."""
-        topology = self.topology
-        if topology is None or group.size == 1 or not elements_sent:
-            return 0
-        me = group.ranks[group.rank]
-        if op == "all_to_all":
-            away = sum(1 for peer in group.ranks if not topology.same_node(me, peer))
-            return elements_sent // (group.size - 1) * away
-        right = group.ranks[(group.rank + 1) % group.size]
-        return 0 if topology.same_node(me, right) else elements_sent
 
 
 def padded_numel(numel: int, multiple: int) -> int:

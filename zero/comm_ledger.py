@@ -8,7 +8,61 @@ per operation, group, tag (the step) and phase, with its cross-node share (see `
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from chunkmem.costs import Traffic
+    from zero.topology import Topology
+
+
+def elements_sent_per_rank(op: str, numel: int, size: int) -> int:
+    """Elements one member of a group of ``size`` sends in ``op`` of ``numel`` elements, under
+    the algorithm model of :class:`CollectiveRecord` (a broadcast's root: ``numel``)."""
+    if size == 1:
+        return 0
+    if op == "broadcast":
+        return numel
+    if op == "all_reduce":
+        return 2 * numel * (size - 1) // size
+    return numel * (size - 1) // size
+
+
+def cross_node_elements(
+    op: str, ranks: Sequence[int], me: int, topology: Topology | None, sent: int
+) -> int:
+    """How many of the ``sent`` elements global rank ``me`` of the group ``ranks`` sends to
+    another node (see ``zero.comm``, [Note: intra-node and cross-node bytes])."""
+    if topology is None or len(ranks) == 1 or not sent:
+        return 0
+    if op == "all_to_all":
+        away = sum(1 for peer in ranks if not topology.same_node(me, peer))
+        return sent // (len(ranks) - 1) * away
+    right = ranks[(ranks.index(me) + 1) % len(ranks)]
+    return 0 if topology.same_node(me, right) else sent
+
+
+def collective_traffic(
+    op: str,
+    numel: int,
+    itemsize: int,
+    topology: Topology,
+    group_of: Callable[[int], Sequence[int]],
+    phase: str,
+) -> Traffic:
+    """``op`` of ``numel`` elements as every rank issues it on its group (``group_of(rank)``,
+    global ranks), recorded as the communicator records it: what each sends, and the
+    cross-node share of each local rank (``chunkmem.costs``)."""
+    from chunkmem.costs import Traffic
+
+    cross = []
+    sent = 0
+    for rank in range(topology.node_size):
+        ranks = group_of(rank)
+        sent = elements_sent_per_rank(op, numel, len(ranks))
+        cross.append(cross_node_elements(op, ranks, rank, topology, sent) * itemsize)
+    return Traffic(op, phase, sent * itemsize, tuple(cross))
 
 
 @dataclass(frozen=True)

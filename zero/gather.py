@@ -23,13 +23,17 @@ from typing import Protocol
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.costs import DeviceBytes, GathererCosts, Traffic
 from chunkmem.residency import Residency
 from chunkmem.sharding import ParamGatherer, Sharding, Waitable
 from chunkmem.states import TensorState
 from chunkmem.tracer import Phase
 from zero.comm import Communicator, Group
+from zero.comm_ledger import collective_traffic
 from zero.kinds import GATHERED
 from zero.layout_life import GatherState, LayoutLife
+from zero.topology import Topology
+from zero.wire import BytesPool, PooledBytes
 
 AllGather = Callable[[torch.Tensor, torch.Tensor, bool], Waitable]
 
@@ -56,6 +60,35 @@ class ExactAllGather:
     ) -> Waitable:
         with self.comm.serving(phase):
             return self.comm.all_gather(shard, full, group=self.group, async_op=async_op)
+
+
+class WeightGatherCosts(Protocol):
+    """The cost model of a :class:`WeightGather`: a gather of a layout of ``capacity``
+    elements, and the bytes of wire buffer it asks the pool for while in flight (0: none)."""
+
+    def traffic(self, capacity: int, phase: str) -> Traffic: ...
+
+    def buffer_bytes(self, capacity: int) -> int: ...
+
+
+class ExactAllGatherCosts:
+    """:class:`ExactAllGather`'s costs: one all-gather of the values on each rank's group
+    (``group_of``), in place."""
+
+    def __init__(
+        self, topology: Topology, itemsize: int, group_of: Callable[[int], range] | None = None
+    ) -> None:
+        self.topology = topology
+        self.itemsize = itemsize
+        self.group_of = group_of or topology.world
+
+    def traffic(self, capacity: int, phase: str) -> Traffic:
+        return collective_traffic(
+            "all_gather", capacity, self.itemsize, self.topology, self.group_of, phase
+        )
+
+    def buffer_bytes(self, capacity: int) -> int:
+        return 0
 
 
 class Then:
@@ -118,6 +151,16 @@ class GatherUpdatedShards(ParamGatherer):
 
     def cancel(self) -> None:
         self.finish_step()
+
+
+class GatherUpdatedShardsCosts(GathererCosts):
+    """:class:`GatherUpdatedShards`' costs: an in-place all-gather after each update."""
+
+    def __init__(self, weights: ExactAllGatherCosts) -> None:
+        self.weights = weights
+
+    def after_update(self, capacity: int) -> list[Traffic]:
+        return [self.weights.traffic(capacity, Phase.STEP.value)]
 
 
 class GatherForCompute(ParamGatherer):
@@ -260,6 +303,37 @@ class GatherForCompute(ParamGatherer):
             _await_all(self.residency, in_flight)
         finally:
             self.end_cycle()
+
+
+class GatherForComputeCosts(GathererCosts):
+    """:class:`GatherForCompute`'s costs: a gathered copy of the layout's capacity in the
+    compute dtype from its gather until it is dropped, and the weights' traffic and wire
+    buffer (from ``pool``, shared with the reducer as ``zero.strategy`` shares it) for each
+    gather; the buffers of prefetched gathers go back when the next moment reads them."""
+
+    gathers_for_compute = True
+    transient = True
+
+    def __init__(self, weights: WeightGatherCosts, pool: BytesPool, itemsize: int) -> None:
+        self.weights = weights
+        self.pool = pool
+        self.itemsize = itemsize
+        self._in_flight: list[PooledBytes] = []  # wire buffers of launched gathers
+
+    def gather(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
+        device.add(GATHERED.value, capacity * self.itemsize, label)
+        wire = self.weights.buffer_bytes(capacity)
+        if wire:
+            self._in_flight.append(self.pool.take(wire, device, label))
+        return [self.weights.traffic(capacity, label.partition(":")[0])]
+
+    def arrived(self, device: DeviceBytes, label: str) -> None:
+        in_flight, self._in_flight = self._in_flight, []
+        for buffer in in_flight:
+            self.pool.give(buffer, device, label)
+
+    def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
+        device.add(GATHERED.value, -capacity * self.itemsize, label)
 
 
 def _await_all(residency: Residency, chunks: list[Chunk]) -> None:

@@ -31,12 +31,22 @@ rank's part again (``c/h`` elements, ``1/h`` of what the gather wrote), and
 from __future__ import annotations
 
 from chunkmem.chunk import Chunk
+from chunkmem.costs import DeviceBytes, Traffic
 from chunkmem.residency import Residency
 from chunkmem.sharding import Waitable
 from chunkmem.tracer import Phase
 from zero.comm import Group
-from zero.gather import ExactAllGather, GatherForCompute, Then, WeightGather
-from zero.kinds import HPZ_SECONDARY
+from zero.gather import (
+    ExactAllGather,
+    ExactAllGatherCosts,
+    GatherForCompute,
+    GatherForComputeCosts,
+    Then,
+    WeightGather,
+    WeightGatherCosts,
+)
+from zero.kinds import GATHERED, HPZ_SECONDARY
+from zero.wire import BytesPool
 
 
 class HierarchicalGather(GatherForCompute):
@@ -97,3 +107,39 @@ class HierarchicalGather(GatherForCompute):
         for chunk in list(self.residency.chunks.values()):
             if chunk.kind is HPZ_SECONDARY:
                 self.residency.free_payload(chunk)
+
+
+class HierarchicalGatherCosts(GatherForComputeCosts):
+    """:class:`HierarchicalGather`'s costs: a layout gathered again in a cycle is gathered
+    from the secondaries, inside the hpZ group (``secondary``), and each drop keeps ``c/h``
+    elements of the compute dtype until the step."""
+
+    def __init__(
+        self,
+        weights: WeightGatherCosts,
+        secondary: ExactAllGatherCosts,
+        partition_size: int,
+        pool: BytesPool,
+        itemsize: int,
+    ) -> None:
+        super().__init__(weights, pool, itemsize)
+        self.secondary = secondary
+        self.partition_size = partition_size
+        self._kept: dict[int, int] = {}  # layout -> secondary bytes
+
+    def gather(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
+        if layout not in self._kept:
+            return super().gather(layout, capacity, device, label)
+        device.add(GATHERED.value, capacity * self.itemsize, label)
+        return [self.secondary.traffic(capacity, label.partition(":")[0])]
+
+    def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
+        if layout not in self._kept:
+            nbytes = capacity // self.partition_size * self.itemsize
+            self._kept[layout] = nbytes
+            device.add(HPZ_SECONDARY.value, nbytes, label)
+        super().dropped(layout, capacity, device, label)
+
+    def end_cycle(self, device: DeviceBytes, label: str) -> None:
+        kept, self._kept = self._kept, {}
+        device.add(HPZ_SECONDARY.value, -sum(kept.values()), label)

@@ -24,9 +24,12 @@ from __future__ import annotations
 import torch
 
 import kernels
+from chunkmem.costs import Traffic
 from chunkmem.sharding import Waitable
 from zero.comm import Communicator, Group
+from zero.comm_ledger import collective_traffic
 from zero.gather import Then
+from zero.topology import Topology
 from zero.wire import WireBuffers, packed_nbytes, packed_view
 
 
@@ -84,3 +87,25 @@ class QuantizedAllGather:
         if not async_op:
             arrival.wait()
         return arrival
+
+
+class QuantizedAllGatherCosts:
+    """:class:`QuantizedAllGather`'s costs on the world: every rank's packed shard (levels,
+    scales) in one uint8 all-gather, through a pooled wire buffer of all of them."""
+
+    def __init__(self, topology: Topology, bits: int, block_size: int) -> None:
+        self.topology = topology
+        self.bits = bits
+        self.block_size = block_size
+
+    def _wire_nbytes(self, capacity: int) -> int:
+        world = self.topology.world_size
+        return world * packed_nbytes(capacity // world, self.bits, self.block_size)
+
+    def traffic(self, capacity: int, phase: str) -> Traffic:
+        return collective_traffic(
+            "all_gather", self._wire_nbytes(capacity), 1, self.topology, self.topology.world, phase
+        )
+
+    def buffer_bytes(self, capacity: int) -> int:
+        return self._wire_nbytes(capacity)

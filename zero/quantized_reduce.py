@@ -33,8 +33,11 @@ import torch
 
 import kernels
 from chunkmem.chunk import ChunkLayout
+from chunkmem.costs import Traffic
+from kernels.quantized import data_nbytes, num_groups
 from zero.comm import Communicator, Handle
-from zero.topology import NodeGroups
+from zero.comm_ledger import collective_traffic
+from zero.topology import NodeGroups, Topology
 from zero.wire import WireBuffers, aligned, packed_nbytes, packed_view, wire_parts
 
 
@@ -82,13 +85,7 @@ class _QgzWork:
         n = shard.numel()
         s = owner.slice_numel(n)
         self._n, self._s, self._nodes, self._per_node = n, s, nodes, per_node
-        whole, node_sums = (
-            packed_nbytes(world * s, bits, block),
-            packed_nbytes(nodes * s, bits, block),
-        )
-        staged = aligned(world * s * dtype.itemsize) if s != n else 0
-        result = aligned(s * dtype.itemsize) if s != n else 0
-        sizes = [staged, whole, whole, node_sums, node_sums, result]
+        sizes = buffer_parts(topology, n, s, bits, block, dtype.itemsize)
         self._buffer = owner.wire.take(sum(aligned(size) for size in sizes))
         try:
             parts = _carve(self._buffer, sizes)
@@ -160,6 +157,56 @@ class _QgzWork:
         buffer, self._buffer = self._buffer, None
         if buffer is not None:
             self._owner.wire.give(buffer)
+
+
+def buffer_parts(
+    topology: Topology, n: int, s: int, bits: int, block: int, itemsize: int
+) -> list[int]:
+    """Byte sizes of one reduction's buffers, for a shard of ``n`` elements sent as slices of
+    ``s``: the padded staging copy (when ``s != n``), the whole chunk quantized (sent and
+    received), the node sums (sent and received), and the padded result (when ``s != n``)."""
+    world, nodes = topology.world_size, topology.nodes
+    whole, node_sums = packed_nbytes(world * s, bits, block), packed_nbytes(nodes * s, bits, block)
+    staged = aligned(world * s * itemsize) if s != n else 0
+    result = aligned(s * itemsize) if s != n else 0
+    return [staged, whole, whole, node_sums, node_sums, result]
+
+
+class HierarchicalQuantizedReduceScatterCosts:
+    """:class:`HierarchicalQuantizedReduceScatter`'s costs: an all-to-all of the whole chunk
+    quantized inside the node, one of the node sums across nodes (levels and scales, as
+    ``wire_parts`` sends them), and one pooled buffer holding every part."""
+
+    def __init__(
+        self, topology: Topology, bits: int, block_size: int, itemsize: int, phase: str
+    ) -> None:
+        self.topology = topology
+        self.bits = bits
+        self.block_size = block_size
+        self.itemsize = itemsize
+        self.phase = phase
+
+    def _slice(self, capacity: int) -> tuple[int, int]:
+        n = capacity // self.topology.world_size
+        return n, kernels.slice_numel(n, 1, self.block_size)
+
+    def _sent_nbytes(self, numel: int) -> int:
+        return data_nbytes(numel, self.bits) + 4 * num_groups(numel, self.block_size)
+
+    def traffic(self, capacity: int) -> list[Traffic]:
+        topology = self.topology
+        _n, s = self._slice(capacity)
+        intra = self._sent_nbytes(topology.world_size * s)
+        inter = self._sent_nbytes(topology.nodes * s)
+        return [
+            collective_traffic("all_to_all", intra, 1, topology, topology.node, self.phase),
+            collective_traffic("all_to_all", inter, 1, topology, topology.cross, self.phase),
+        ]
+
+    def buffer_bytes(self, capacity: int) -> int:
+        n, s = self._slice(capacity)
+        parts = buffer_parts(self.topology, n, s, self.bits, self.block_size, self.itemsize)
+        return sum(aligned(size) for size in parts)
 
 
 def _carve(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:

@@ -24,11 +24,16 @@ from typing import Protocol
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.costs import DeviceBytes, ReducerCosts, Traffic
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer, Sharding, Waitable
+from chunkmem.tracer import Phase
 from zero.comm import Communicator
+from zero.comm_ledger import collective_traffic
 from zero.kinds import GRAD_SHARD
+from zero.topology import Topology
+from zero.wire import BytesPool, PooledBytes
 
 # Reduce-scatters running at once during backward: enough to overlap the next layouts'
 # gradients with communication, few enough that whole gradient chunks are freed as backward
@@ -67,6 +72,36 @@ class ExactReduceScatter:
     def launch(self, layout: ChunkLayout, full: torch.Tensor, shard: torch.Tensor) -> Waitable:
         with self.comm.serving(self.phase):
             return self.comm.reduce_scatter(full, shard, async_op=True)
+
+
+class GradientReductionCosts(Protocol):
+    """The cost model of a :class:`GradientReduction`: the traffic of reducing a gradient
+    chunk of ``capacity`` elements, and the bytes of wire buffer it asks the pool for while in
+    flight (0: none)."""
+
+    def traffic(self, capacity: int) -> list[Traffic]: ...
+
+    def buffer_bytes(self, capacity: int) -> int: ...
+
+
+class ExactReduceScatterCosts:
+    """:class:`ExactReduceScatter`'s costs: one reduce-scatter on the world."""
+
+    def __init__(self, topology: Topology, itemsize: int, phase: str) -> None:
+        self.topology = topology
+        self.itemsize = itemsize
+        self.phase = phase
+
+    def traffic(self, capacity: int) -> list[Traffic]:
+        topology = self.topology
+        return [
+            collective_traffic(
+                "reduce_scatter", capacity, self.itemsize, topology, topology.world, self.phase
+            )
+        ]
+
+    def buffer_bytes(self, capacity: int) -> int:
+        return 0
 
 
 class Reduction:
@@ -286,3 +321,48 @@ def _zero_unwritten(grad: Chunk) -> None:
         if slot.grad_contributions == slot.grad_reduced:
             grad.span(slot, 0, slot.numel).zero_()
     grad.payload[layout.used :].zero_()
+
+
+class ReduceScatterGradsCosts(ReducerCosts):
+    """:class:`ReduceScatterGrads`' costs: this rank's shard of every trainable layout, the
+    reduction's traffic and wire buffer (from the pool the gatherer shares) per layout, in
+    backward when ``overlap``, and the step's agreement on which parameters got gradients
+    (one fp32 per parameter, all-reduced)."""
+
+    reduces = True
+    max_in_flight = MAX_REDUCTIONS_IN_FLIGHT
+
+    def __init__(
+        self,
+        topology: Topology,
+        reduction: GradientReductionCosts,
+        pool: BytesPool,
+        overlap: bool,
+    ) -> None:
+        self.topology = topology
+        self.reduction = reduction
+        self.pool = pool
+        self.in_backward = self.transient = overlap
+        self._in_flight: dict[int, PooledBytes] = {}
+
+    def shard_elements(self, capacity: int) -> int:
+        return capacity // self.topology.world_size
+
+    def launch(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
+        wire = self.reduction.buffer_bytes(capacity)
+        if wire:
+            self._in_flight[layout] = self.pool.take(wire, device, label)
+        return self.reduction.traffic(capacity)
+
+    def complete(self, layout: int, device: DeviceBytes, label: str) -> None:
+        buffer = self._in_flight.pop(layout, None)
+        if buffer is not None:
+            self.pool.give(buffer, device, label)
+
+    def step_traffic(self, num_params: int) -> list[Traffic]:
+        topology = self.topology
+        return [
+            collective_traffic(
+                "all_reduce", num_params, 4, topology, topology.world, Phase.STEP.value
+            )
+        ]

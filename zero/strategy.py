@@ -19,24 +19,53 @@ engine does on CPU tensors are moved there and back.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 import kernels
 from chunkmem.chunk import ChunkLayout
 from chunkmem.config import ZeroConfig
+from chunkmem.costs import GathererCosts, ReducerCosts, ShardingCosts, StrategyCosts, Traffic
 from chunkmem.errors import ConfigError
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Strategy, Waitable
+from chunkmem.tracer import Phase
 from zero.comm import Communicator
-from zero.gather import ExactAllGather, GatherForCompute, GatherUpdatedShards, WeightGather
-from zero.hierarchical_gather import HierarchicalGather
-from zero.quantized_gather import QuantizedAllGather
-from zero.quantized_reduce import HierarchicalQuantizedReduceScatter
-from zero.reduce import ExactReduceScatter, GradientReduction, ReduceScatterGrads
-from zero.topology import NodeGroups, Topology, build_node_groups, resolve_node_size
-from zero.wire import WireBuffers
+from zero.comm_ledger import collective_traffic
+from zero.gather import (
+    ExactAllGather,
+    ExactAllGatherCosts,
+    GatherForCompute,
+    GatherForComputeCosts,
+    GatherUpdatedShards,
+    GatherUpdatedShardsCosts,
+    WeightGather,
+    WeightGatherCosts,
+)
+from zero.hierarchical_gather import HierarchicalGather, HierarchicalGatherCosts
+from zero.quantized_gather import QuantizedAllGather, QuantizedAllGatherCosts
+from zero.quantized_reduce import (
+    HierarchicalQuantizedReduceScatter,
+    HierarchicalQuantizedReduceScatterCosts,
+)
+from zero.reduce import (
+    ExactReduceScatter,
+    ExactReduceScatterCosts,
+    GradientReduction,
+    GradientReductionCosts,
+    ReduceScatterGrads,
+    ReduceScatterGradsCosts,
+)
+from zero.topology import (
+    NodeGroups,
+    Topology,
+    build_node_groups,
+    check_hpz_partition_size,
+    resolve_node_size,
+)
+from zero.wire import BytesPool, WireBuffers
 
 _WEIGHT_BITS = {True: 8, "int8": 8, "int4": 4}
 _GRADIENT_BITS = {True: 4, "int4": 4, "int8": 8}
@@ -86,6 +115,101 @@ class ZeroSharding(Sharding):
         return self.comm.transport.checkpoint_group()
 
 
+class ZeroShardingCosts(ShardingCosts):
+    """:class:`ZeroSharding`'s costs: a rank keeps ``1/n`` of every layout's optimizer states,
+    of its gradients from stage 2 and of its parameters at stage 3; the step all-reduces the
+    squared gradient norm (one fp64)."""
+
+    sharded = True
+
+    def __init__(self, stage: int, topology: Topology) -> None:
+        self.stage = stage
+        self.topology = topology
+        self.world_size = topology.world_size
+
+    def param_elements(self, capacity: int) -> int:
+        return capacity // self.world_size if self.stage >= 3 else capacity
+
+    def state_elements(self, capacity: int) -> int:
+        return capacity // self.world_size
+
+    def grad_divisor(self) -> int:
+        return self.world_size if self.stage >= 2 else 1
+
+    def step_traffic(self, num_params: int) -> list[Traffic]:
+        topology = self.topology
+        return [collective_traffic("all_reduce", 1, 8, topology, topology.world, Phase.STEP.value)]
+
+
+@dataclass(frozen=True)
+class ZeroChoice:
+    """What a ZeRO config switches on, read once: the seams and their cost models are built
+    from it alike."""
+
+    stage: int
+    weight_bits: int | None
+    weight_block: int
+    gradient_bits: int | None
+    gradient_block: int
+    hpz_partition_size: int
+
+    @classmethod
+    def of(cls, config: ZeroConfig) -> ZeroChoice:
+        return cls(
+            config.stage,
+            _WEIGHT_BITS.get(config.quantized_weights),
+            config.quantized_weights_block_size,
+            _GRADIENT_BITS.get(config.quantized_gradients),
+            config.quantized_gradients_block_size,
+            config.hpz_partition_size,
+        )
+
+    @property
+    def gathers_for_compute(self) -> bool:
+        return self.stage >= 3
+
+    @property
+    def overlap(self) -> bool:
+        """Gradients are reduce-scattered in backward (stages 2-3), not before the step."""
+        return self.stage >= 2
+
+    @property
+    def reduce_phase(self) -> str:
+        return (Phase.BACKWARD if self.overlap else Phase.STEP).value
+
+    @property
+    def hpz(self) -> bool:
+        return self.hpz_partition_size > 1
+
+    @property
+    def node_groups(self) -> bool:
+        return bool(self.weight_bits or self.gradient_bits or self.hpz)
+
+
+@dataclass
+class ZeroStrategyCosts(StrategyCosts):
+    """The cost models of a :class:`ZeroStrategy`, and the wire-buffer pool its gatherer and
+    reducer share."""
+
+    pool: BytesPool
+
+    choice: ZeroChoice
+
+    def held_bytes(self) -> int:
+        return self.pool.held_bytes
+
+    def describe(self) -> str:
+        choice = self.choice
+        parts = [f"ZeRO-{choice.stage}"]
+        if choice.weight_bits:
+            parts.append(f"qwZ int{choice.weight_bits} (blocks of {choice.weight_block})")
+        if choice.hpz:
+            parts.append(f"hpZ over {choice.hpz_partition_size} ranks")
+        if choice.gradient_bits:
+            parts.append(f"qgZ int{choice.gradient_bits} (blocks of {choice.gradient_block})")
+        return ", ".join(parts)
+
+
 class ZeroStrategy(Strategy):
     """The seams of ZeRO stage 1, 2 or 3, with the ZeRO++ techniques ``config`` switches on,
     over one communicator. Sets the communicator's topology and builds the node groups ZeRO++
@@ -99,13 +223,11 @@ class ZeroStrategy(Strategy):
         self.comm = comm
         self.topology = Topology(comm.size, resolve_node_size(config.node_size, comm.size))
         comm.topology = self.topology
-        self.weight_bits = _WEIGHT_BITS.get(config.quantized_weights)
-        self.gradient_bits = _GRADIENT_BITS.get(config.quantized_gradients)
-        self.hpz = config.hpz_partition_size > 1
+        self.choice = ZeroChoice.of(config)
         self.groups: NodeGroups | None = None
-        if self.weight_bits or self.gradient_bits or self.hpz:
+        if self.choice.node_groups:
             self.groups = build_node_groups(comm, self.topology, config.hpz_partition_size)
-        if self.weight_bits or self.gradient_bits:
+        if self.choice.weight_bits or self.choice.gradient_bits:
             _check_native_kernels(device)
         self._wire: WireBuffers | None = None
 
@@ -120,17 +242,15 @@ class ZeroStrategy(Strategy):
             return self.comm.all_gather(shard, full, async_op=async_op)
 
     def gatherer(self, residency: Residency) -> ParamGatherer:
-        if self.sharding.stage < 3:
+        choice = self.choice
+        if not choice.gathers_for_compute:
             return GatherUpdatedShards(residency, self.sharding, self._step_all_gather)
         weights: WeightGather = ExactAllGather(self.comm)
-        if self.weight_bits:
+        if choice.weight_bits:
             weights = QuantizedAllGather(
-                self.comm,
-                self._wire_buffers(residency),
-                self.weight_bits,
-                self.config.quantized_weights_block_size,
+                self.comm, self._wire_buffers(residency), choice.weight_bits, choice.weight_block
             )
-        if self.hpz:
+        if choice.hpz:
             assert self.groups is not None and self.groups.hpz is not None
             return HierarchicalGather(
                 residency, weights, ExactAllGather(self.comm, self.groups.hpz)
@@ -138,20 +258,54 @@ class ZeroStrategy(Strategy):
         return GatherForCompute(residency, weights)
 
     def reducer(self, params: ParamStore, residency: Residency) -> GradReducer:
-        overlap = self.sharding.stage >= 2
-        phase = "bwd" if overlap else "step"
-        reduction: GradientReduction = ExactReduceScatter(self.comm, phase)
-        if self.gradient_bits:
+        choice = self.choice
+        reduction: GradientReduction = ExactReduceScatter(self.comm, choice.reduce_phase)
+        if choice.gradient_bits:
             assert self.groups is not None
             reduction = HierarchicalQuantizedReduceScatter(
                 self.comm,
                 self.groups,
                 self._wire_buffers(residency),
-                self.gradient_bits,
-                self.config.quantized_gradients_block_size,
-                phase,
+                choice.gradient_bits,
+                choice.gradient_block,
+                choice.reduce_phase,
             )
-        return ReduceScatterGrads(params, residency, self.sharding, reduction, overlap=overlap)
+        return ReduceScatterGrads(
+            params, residency, self.sharding, reduction, overlap=choice.overlap
+        )
+
+    @staticmethod
+    def costs(
+        config: ZeroConfig, world_size: int, node_size: int, itemsize: int
+    ) -> ZeroStrategyCosts:
+        """The cost models of the seams :meth:`gatherer` and :meth:`reducer` build for
+        ``config`` on ``world_size`` ranks of ``node_size`` per node (``chunkmem.costs``)."""
+        choice = ZeroChoice.of(config)
+        topology = Topology(world_size, node_size)
+        if choice.hpz:
+            check_hpz_partition_size(topology, choice.hpz_partition_size)
+        pool = BytesPool()
+        exact = ExactAllGatherCosts(topology, itemsize)
+        gatherer: GathererCosts = GatherUpdatedShardsCosts(exact)
+        if choice.gathers_for_compute:
+            weights: WeightGatherCosts = exact
+            if choice.weight_bits:
+                weights = QuantizedAllGatherCosts(topology, choice.weight_bits, choice.weight_block)
+            gatherer = GatherForComputeCosts(weights, pool, itemsize)
+            if choice.hpz:
+                size = choice.hpz_partition_size
+                secondary = ExactAllGatherCosts(topology, itemsize, lambda r: topology.hpz(r, size))
+                gatherer = HierarchicalGatherCosts(weights, secondary, size, pool, itemsize)
+        reduction: GradientReductionCosts = ExactReduceScatterCosts(
+            topology, itemsize, choice.reduce_phase
+        )
+        if choice.gradient_bits:
+            reduction = HierarchicalQuantizedReduceScatterCosts(
+                topology, choice.gradient_bits, choice.gradient_block, itemsize, choice.reduce_phase
+            )
+        reducer: ReducerCosts = ReduceScatterGradsCosts(topology, reduction, pool, choice.overlap)
+        sharding = ZeroShardingCosts(choice.stage, topology)
+        return ZeroStrategyCosts(sharding, gatherer, reducer, pool, choice)
 
 
 def _check_native_kernels(device: torch.device) -> None:

@@ -54,6 +54,24 @@ class Topology:
     def same_node(self, a: int, b: int) -> bool:
         return self.node_of(a) == self.node_of(b)
 
+    # The groups ZeRO++ talks in, as the global ranks of the one holding ``rank``.
+    def world(self, rank: int) -> range:
+        return range(self.world_size)
+
+    def node(self, rank: int) -> range:
+        """Every rank of ``rank``'s node."""
+        first = self.node_of(rank) * self.node_size
+        return range(first, first + self.node_size)
+
+    def cross(self, rank: int) -> range:
+        """The ranks with ``rank``'s local rank, one per node."""
+        return range(self.local_rank(rank), self.world_size, self.node_size)
+
+    def hpz(self, rank: int, partition_size: int) -> range:
+        """``rank``'s hpZ group: ``partition_size`` consecutive ranks inside its node."""
+        first = rank // partition_size * partition_size
+        return range(first, first + partition_size)
+
 
 def resolve_node_size(
     configured: int | None, world_size: int, env: Mapping[str, str] = os.environ
@@ -84,32 +102,31 @@ class NodeGroups:
     hpz: Group | None
 
 
-def build_node_groups(
-    comm: Communicator, topology: Topology, hpz_partition_size: int
-) -> NodeGroups:
-    """Create every node, cross-node and hpZ group (every rank creates all of them, in one
-    order, as torch requires) and return this rank's."""
+def check_hpz_partition_size(topology: Topology, hpz_partition_size: int) -> None:
     if hpz_partition_size > 1 and topology.node_size % hpz_partition_size:
         raise ConfigError(
             f"zero.hpz_partition_size={hpz_partition_size} must divide the node size "
             f"{topology.node_size}: an hpZ group that spans two nodes would send the backward "
             f"gather across nodes, which is what hpZ avoids"
         )
+
+
+def build_node_groups(
+    comm: Communicator, topology: Topology, hpz_partition_size: int
+) -> NodeGroups:
+    """Create every node, cross-node and hpZ group (every rank creates all of them, in one
+    order, as torch requires) and return this rank's."""
+    check_hpz_partition_size(topology, hpz_partition_size)
     size, rank = topology.node_size, comm.rank
-    intra = [
-        comm.new_group(f"node{n}", range(n * size, (n + 1) * size)) for n in range(topology.nodes)
-    ]
-    inter = [
-        comm.new_group(f"cross{local}", range(local, topology.world_size, size))
-        for local in range(size)
-    ]
+    intra = [comm.new_group(f"node{n}", topology.node(n * size)) for n in range(topology.nodes)]
+    inter = [comm.new_group(f"cross{local}", topology.cross(local)) for local in range(size)]
     hpz = None
     if hpz_partition_size == size:
         hpz = intra[topology.node_of(rank)]
     elif hpz_partition_size > 1:
         h = hpz_partition_size
         groups = [
-            comm.new_group(f"hpz{i}", range(i * h, (i + 1) * h))
+            comm.new_group(f"hpz{i}", topology.hpz(i * h, h))
             for i in range(topology.world_size // h)
         ]
         hpz = groups[rank // h]

@@ -16,12 +16,18 @@ most collectives in flight at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
 import torch
 
+from chunkmem.costs import DeviceBytes
+from chunkmem.ledger import WORKSPACE
 from chunkmem.residency import Residency
 from kernels import QuantizedTensor
 from kernels.quantized import data_nbytes, num_groups
 
+Buffer = TypeVar("Buffer")
 ALIGN = 64  # bytes: buffers carved from a pooled one start on a cache line
 SCALES_ALIGN = 4  # bytes: where the scales start in the wire format
 
@@ -60,17 +66,27 @@ def wire_parts(q: QuantizedTensor) -> list[torch.Tensor]:
     return [q.data, q.scales.view(torch.uint8)]
 
 
-class WireBuffers:
-    """Reusable uint8 buffers on the compute device, accounted as workspaces (see the note).
+class BufferPool(Generic[Buffer]):
+    """Which buffer to hand out and which to keep (see the note on the pool), apart from what a
+    buffer is: :class:`WireBuffers` pools device tensors, and the cost model of the strategies
+    (``zero.strategy``) replays the same policy with sizes alone.
 
     At most ``keep_idle`` buffers wait for reuse; one given back beyond that is freed, so a burst
     of collectives in flight (the first cycle's reductions) leaves nothing behind.
     """
 
-    def __init__(self, residency: Residency, keep_idle: int = 4) -> None:
-        self._residency = residency
+    def __init__(
+        self,
+        allocate: Callable[[int], Buffer],
+        free: Callable[[Buffer], None],
+        size: Callable[[Buffer], int],
+        keep_idle: int = 4,
+    ) -> None:
+        self._allocate = allocate
+        self._free_buffer = free
+        self._size = size
         self._keep_idle = keep_idle
-        self._free: list[torch.Tensor] = []
+        self._free: list[Buffer] = []
         self._held = 0
 
     @property
@@ -78,27 +94,82 @@ class WireBuffers:
         """Bytes the pool holds, in use or not."""
         return self._held
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least ``nbytes`` (the smallest free one that fits, or a new one);
-        give it back with :meth:`give`."""
-        fitting = [b for b in self._free if b.numel() >= nbytes]
+    def take(self, nbytes: int) -> Buffer:
+        """A buffer of at least ``nbytes`` (the smallest free one that fits, or a new one of
+        ``aligned(nbytes)``); give it back with :meth:`give`."""
+        fitting = [b for b in self._free if self._size(b) >= nbytes]
         if fitting:
-            buffer = min(fitting, key=torch.Tensor.numel)
+            buffer = min(fitting, key=self._size)
             self._free = [b for b in self._free if b is not buffer]
             return buffer
-        residency = self._residency
-        buffer = residency.allocate_workspace(
-            aligned(nbytes), torch.uint8, residency.compute, set()
-        )
-        self._held += buffer.numel()
+        buffer = self._allocate(aligned(nbytes))
+        self._held += self._size(buffer)
         return buffer
 
-    def give(self, buffer: torch.Tensor) -> None:
+    def give(self, buffer: Buffer) -> None:
         if len(self._free) < self._keep_idle:
             self._free.append(buffer)
             return
-        smallest = min([*self._free, buffer], key=torch.Tensor.numel)
+        smallest = min([*self._free, buffer], key=self._size)
         if smallest is not buffer:
             self._free = [b for b in self._free if b is not smallest] + [buffer]
-        self._held -= smallest.numel()
-        self._residency.free_workspace(smallest, self._residency.compute)
+        self._held -= self._size(smallest)
+        self._free_buffer(smallest)
+
+
+class WireBuffers(BufferPool[torch.Tensor]):
+    """Reusable uint8 buffers on the compute device, accounted as workspaces (see the note)."""
+
+    def __init__(self, residency: Residency, keep_idle: int = 4) -> None:
+        super().__init__(
+            lambda nbytes: residency.allocate_workspace(
+                nbytes, torch.uint8, residency.compute, set()
+            ),
+            lambda buffer: residency.free_workspace(buffer, residency.compute),
+            torch.Tensor.numel,
+            keep_idle,
+        )
+
+
+class PooledBytes:
+    """A buffer of :class:`BytesPool`: its size alone."""
+
+    __slots__ = ("nbytes",)
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+
+class BytesPool:
+    """:class:`BufferPool`'s policy over sizes alone, for the cost models (``zero.strategy``):
+    what it allocates and frees goes to the device bytes of the estimated run as workspace."""
+
+    KIND = WORKSPACE
+
+    def __init__(self, keep_idle: int = 4) -> None:
+        self._device: DeviceBytes | None = None
+        self._label = ""
+        self._pool: BufferPool[PooledBytes] = BufferPool(
+            self._allocate, self._free, lambda buffer: buffer.nbytes, keep_idle
+        )
+
+    @property
+    def held_bytes(self) -> int:
+        return self._pool.held_bytes
+
+    def take(self, nbytes: int, device: DeviceBytes, label: str) -> PooledBytes:
+        self._device, self._label = device, label
+        return self._pool.take(nbytes)
+
+    def give(self, buffer: PooledBytes, device: DeviceBytes, label: str) -> None:
+        self._device, self._label = device, label
+        self._pool.give(buffer)
+
+    def _allocate(self, nbytes: int) -> PooledBytes:
+        assert self._device is not None
+        self._device.add(self.KIND, nbytes, self._label)
+        return PooledBytes(nbytes)
+
+    def _free(self, buffer: PooledBytes) -> None:
+        assert self._device is not None
+        self._device.add(self.KIND, -buffer.nbytes, self._label)

@@ -163,10 +163,9 @@ def render(result: Estimate) -> str:
     memory, wire = result.memory, result.wire
     nodes = result.world_size // result.node_size
     ranks = (
-        f"ZeRO stage {result.zero_stage} on {result.world_size} ranks ({nodes} node"
-        f"{'s' if nodes > 1 else ''})"
-        if result.world_size > 1 or result.zero_stage
-        else "one process"
+        f"{result.strategy} on {result.world_size} ranks ({nodes} node{'s' if nodes > 1 else ''})"
+        if result.world_size > 1
+        else result.strategy
     )
     rows: list[tuple[str, str]] = [
         (
@@ -192,8 +191,8 @@ def render(result: Estimate) -> str:
         ),
         (
             "  cross-node",
-            f"{_size(wire.cross_node_bytes_per_rank)} from each node's last rank (the ring's "
-            f"hop to the next node), 0 from the others"
+            f"{_size(wire.cross_node_bytes_per_rank)} from the rank that sends the most to "
+            f"other nodes ({_size(wire.cross_node_bytes_all_ranks)} from all ranks)"
             if nodes > 1
             else "0 B (one node)",
         ),

@@ -18,10 +18,11 @@ import torch
 from chunkmem.cli.models import build_model, describe
 from chunkmem.cli.settings import ModelSettings
 from chunkmem.config import Config
+from chunkmem.costs import WireTally
 from chunkmem.errors import ConfigError
 from chunkmem.estimate.memory import MemoryEstimate, estimate_memory, pack_layouts
 from chunkmem.estimate.trace import trace_model
-from chunkmem.estimate.wire import WireEstimate, estimate_wire
+from chunkmem.estimate.wire import WireEstimate
 from chunkmem.sizing import (
     ALIGNMENT_ELEMENTS,
     COMPUTE_DTYPES,
@@ -31,6 +32,7 @@ from chunkmem.sizing import (
     moment_floor_bytes,
     separate_grads,
 )
+from chunkmem.strategies import strategy_costs
 
 UNBOUNDED = 1 << 62  # a device capacity that bounds nothing
 
@@ -43,7 +45,7 @@ class Estimate:
     parameters: int
     trainable_parameters: int
     precision: str
-    zero_stage: int
+    strategy: str  # the seams' cost models, described (``StrategyCosts.describe``)
     world_size: int
     node_size: int
     batch: int
@@ -94,15 +96,15 @@ def estimate(
     """Estimate one rank of a run of ``model`` under ``config`` with micro-batches of
     ``batch`` sequences of ``model.seq`` tokens. ``gpu``: host-side staging of a real device
     is counted (False: the simulated device, which reads host chunks in place)."""
-    if world_size < 1 or (config.zero.stage == 0 and world_size > 1):
-        raise ConfigError(
-            f"world size {world_size} at ZeRO stage {config.zero.stage}: stage 0 is one "
-            f"process; set zero.stage to 1, 2 or 3 for several ranks"
-        )
-    node_size = node_size or world_size
+    if world_size < 1:
+        raise ConfigError(f"the world size must be at least 1, got {world_size}")
+    node_size = node_size or config.zero.node_size or world_size
     if world_size % node_size:
         raise ConfigError(f"the node size {node_size} does not divide the world size {world_size}")
     dtype = COMPUTE_DTYPES[config.precision]
+    costs = strategy_costs(
+        config, world_size, node_size, dtype.itemsize
+    )  # refuses what it cannot model
     with torch.device("meta"):
         net = build_model(model)
     net.to(dtype)
@@ -110,7 +112,7 @@ def estimate(
     trainable = [p for p in params if p.requires_grad]
     frozen = [p for p in params if not p.requires_grad]
     capacity = device_capacity if device_capacity is not None else UNBOUNDED
-    sharded = config.zero.stage > 0
+    sharded = costs.sharding.sharded
     trainable_numels = [p.numel() for p in trainable]
     frozen_numels = [p.numel() for p in frozen]
     alignment = math.lcm(ALIGNMENT_ELEMENTS, world_size)
@@ -130,27 +132,27 @@ def estimate(
     masters_on_device = masters_start_on_device(
         config, capacity, dtype, trainable_numels, frozen_numels, world_size
     )
-    memory, gathers = estimate_memory(
-        trace, packed, config, world_size, capacity, gpu, masters_on_device
+    tally = WireTally(node_size, world_size // node_size)
+    memory = estimate_memory(
+        trace,
+        packed,
+        config,
+        lambda: strategy_costs(config, world_size, node_size, dtype.itemsize),
+        capacity,
+        gpu,
+        masters_on_device,
+        tally,
     )
     grads_apart = separate_grads(config.precision, config.gradient_accumulation_steps, sharded)
     floor = moment_floor_bytes(sizes, trainable_numels, frozen_numels, dtype, grads_apart)
     memory = replace(memory, min_device_bytes=max(memory.min_device_bytes, floor))
-    wire = estimate_wire(
-        packed,
-        config.zero.stage,
-        dtype.itemsize,
-        world_size,
-        node_size,
-        gathers,
-        len(params),
-    )
+    wire = WireEstimate.of(tally)
     return Estimate(
         model=describe(model),
         parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in trainable),
         precision=config.precision,
-        zero_stage=config.zero.stage,
+        strategy=costs.describe(),
         world_size=world_size,
         node_size=node_size,
         batch=batch,

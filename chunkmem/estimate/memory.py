@@ -29,19 +29,21 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config
+from chunkmem.costs import StrategyCosts, Traffic, WireTally
 from chunkmem.estimate.trace import ModelTrace
 from chunkmem.layout_update import WORKSPACE_ELEMENTS
+from chunkmem.ledger import WORKSPACE
 from chunkmem.packing import Packer
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.sizing import COMPUTE_DTYPES, ChunkSizes, separate_grads
 from offload.overlap import speculative_reasons
-from zero.reduce import MAX_REDUCTIONS_IN_FLIGHT
 
 ACTIVATIONS = "activations"
 
@@ -125,47 +127,51 @@ class MemoryEstimate:
 
 
 class _Simulation:
-    """The device over one optimizer step of a steady iteration (accumulation included)."""
+    """The device over one optimizer step of a steady iteration (accumulation included),
+    the strategy's seams played by their cost models (``chunkmem.costs``)."""
 
     def __init__(
         self,
         trace: ModelTrace,
         packed: Layouts,
         config: Config,
-        world_size: int,
+        costs: StrategyCosts,
         states_on_device: bool = True,
     ) -> None:
         self.trace = trace
         self.states_on_device = states_on_device
         self.packed = packed
         self.config = config
-        self.world = world_size
-        self.stage = config.zero.stage
+        self.costs = costs
+        self.sharding, self.gatherer, self.reducer = costs.sharding, costs.gatherer, costs.reducer
         self.mixed = config.precision != "fp32"
         self.itemsize = COMPUTE_DTYPES[config.precision].itemsize
         self.accumulation = config.gradient_accumulation_steps
-        self.separate_grads = separate_grads(config.precision, self.accumulation, self.stage > 0)
+        self.separate_grads = separate_grads(
+            config.precision, self.accumulation, self.sharding.sharded
+        )
         self.device = _Device()
+        self.wire: WireTally | None = None  # where the steady step's collectives are counted
         self.unit_layouts = [
             sorted({packed.layout_of[p] for p in params}) for params in trace.unit_params
         ]
         self.moments = [(e[1], e[2]) for e in trace.events if e[0] == "moment"]
         self.expected = Counter(packed.layout_of[e[1]] for e in trace.events if e[0] == "grad")
-        self.gathers: Counter[int] = Counter()  # all-gathers per layout in the step (ZeRO-3)
 
     # sizes
     def capacity(self, layout: int) -> int:
         return self.packed.layouts[layout].capacity
 
     def shard(self, layout: int) -> int:
-        return self.capacity(layout) // self.world
+        """Elements of this rank's reduced gradient shard."""
+        return self.reducer.shard_elements(self.capacity(layout))
 
     def state_elements(self, layout: int) -> int:
-        return self.shard(layout) if self.stage else self.capacity(layout)
+        return self.sharding.state_elements(self.capacity(layout))
 
     def param_bytes(self) -> int:
         return sum(
-            (self.shard(i) if self.stage == 3 else self.capacity(i)) * self.itemsize
+            self.sharding.param_elements(self.capacity(i)) * self.itemsize
             for i in range(len(self.packed.layouts))
         )
 
@@ -179,15 +185,35 @@ class _Simulation:
     def run(self, state_bytes_on_device: int, until_step: int | None = None) -> None:
         """One step's cycle; ``until_step``: the state bytes on the device before its step
         (the first cycle: its masters, if they start there; the step places the rest)."""
+        before = state_bytes_on_device if until_step is None else until_step
+        grads = self.backward_cycle(before)
+        self.device.add("optimizer states", state_bytes_on_device - before, "step")
+        self._step(grads)
+
+    def backward_cycle(self, state_bytes_on_device: int) -> set[int]:
+        """Every micro-batch of the step; the layouts whose whole gradient chunks remain."""
         device = self.device
         device.add("param", self.param_bytes(), "start")
-        before = state_bytes_on_device if until_step is None else until_step
-        device.add("optimizer states", before, "start")
+        device.add(WORKSPACE, self.costs.held_bytes(), "start")
+        device.add("optimizer states", state_bytes_on_device, "start")
         grads: set[int] = set()
         for micro in range(self.accumulation):
             self._micro_batch(grads, final=micro == self.accumulation - 1)
-        device.add("optimizer states", state_bytes_on_device - before, "step")
-        self._step(grads)
+        return grads
+
+    def dynamic_at_step(self) -> int:
+        """What placement counts beside the optimizer states when the first step chooses
+        their homes (``OptimizerStates.place``): the dynamic chunks that exist, and two of the
+        largest in flight if some kind exists only around its use."""
+        kept = sum(
+            nbytes
+            for kind, nbytes in self.device.by_kind.items()
+            if kind not in (ACTIVATIONS, WORKSPACE, "optimizer states")
+        )
+        if self.gatherer.transient or self.reducer.transient:
+            largest = max(layout.capacity for layout in self.packed.layouts)
+            kept += 2 * largest * self.itemsize
+        return kept
 
     def _micro_batch(self, grads: set[int], final: bool) -> None:
         device, trace = self.device, self.trace
@@ -197,7 +223,8 @@ class _Simulation:
         arrived: Counter[int] = Counter()
         launched: list[int] = []  # reductions in flight, oldest first
         reduced: set[int] = set()
-        overlap = self.stage >= 2 and final
+        overlap = self.reducer.in_backward and final
+        gathers = self.gatherer.gathers_for_compute
         moment = -1
         for event in trace.events:
             kind = event[0]
@@ -211,13 +238,15 @@ class _Simulation:
                 deferred.clear()
                 moment += 1
                 label = self.label(moment)
-                if self.stage == 3:
+                if gathers:
+                    self.gatherer.arrived(device, label)  # what was prefetched is read now
                     for layout in self.unit_layouts[event[2]]:
                         self._gather(gathered, layout, label)
+                    self.gatherer.arrived(device, label)
                     if moment + 1 < len(self.moments):
                         for layout in self.unit_layouts[self.moments[moment + 1][1]]:
                             self._gather(gathered, layout, label)
-            elif kind == "release" and self.stage == 3:
+            elif kind == "release" and gathers:
                 unit = event[2]
                 for layout in self.unit_layouts[unit]:
                     if event[1] == "recompute":
@@ -248,8 +277,14 @@ class _Simulation:
                     self._drop(gathered, layout, label)
                 if overlap:
                     self._reduce_remaining(grads, launched, reduced, label)
+        if gathers:
+            self.gatherer.arrived(device, "step")
         for layout in sorted(gathered):
             self._drop(gathered, layout, "step")
+
+    def _send(self, traffic: list[Traffic]) -> None:
+        if self.wire is not None:
+            self.wire.add(traffic)
 
     def _needed_again(self, moment: int, layout: int) -> bool:
         """Whether a later moment of the same phase run uses ``layout`` (the tracer's rule)."""
@@ -264,23 +299,22 @@ class _Simulation:
     def _gather(self, gathered: set[int], layout: int, label: str) -> None:
         if layout not in gathered:
             gathered.add(layout)
-            self.gathers[layout] += 1
-            self.device.add("gathered", self.capacity(layout) * self.itemsize, label)
+            self._send(self.gatherer.gather(layout, self.capacity(layout), self.device, label))
 
     def _drop(self, gathered: set[int], layout: int, label: str) -> None:
         if layout in gathered:
             gathered.discard(layout)
-            self.device.add("gathered", -self.capacity(layout) * self.itemsize, label)
+            self.gatherer.dropped(layout, self.capacity(layout), self.device, label)
 
     def _launch_complete(self, grads, arrived, launched, reduced, label: str) -> None:
-        """ZeRO-2/3: reduce the layouts whose gradients are all in, last packed first."""
+        """Reductions in backward: the layouts whose gradients are all in, last packed first."""
         for layout in reversed(self.packed.trainable):
             if layout in reduced:
                 continue
             if arrived[layout] < self.expected[layout]:
                 return
             self._launch(grads, launched, reduced, layout, label)
-            while len(launched) > MAX_REDUCTIONS_IN_FLIGHT:
+            while len(launched) > self.reducer.max_in_flight:
                 self._complete(grads, launched.pop(0), label)
 
     def _launch(self, grads, launched, reduced, layout: int, label: str) -> None:
@@ -288,16 +322,17 @@ class _Simulation:
             grads.add(layout)
             self.device.add("grad", self.capacity(layout) * self.itemsize, label)
         self.device.add("grad_shard", self.shard(layout) * self.itemsize, label)
+        self._send(self.reducer.launch(layout, self.capacity(layout), self.device, label))
         launched.append(layout)
         reduced.add(layout)
 
     def _reduce_remaining(self, grads, launched, reduced, label: str) -> None:
-        """Reduce every layout not reduced yet, last packed first, at most
-        ``MAX_REDUCTIONS_IN_FLIGHT`` at once, then wait for all (``reduce_remaining``)."""
+        """Reduce every layout not reduced yet, last packed first, at most the reducer's
+        ``max_in_flight`` at once, then wait for all (``reduce_remaining``)."""
         for layout in reversed(self.packed.trainable):
             if layout not in reduced:
                 self._launch(grads, launched, reduced, layout, label)
-                while len(launched) > MAX_REDUCTIONS_IN_FLIGHT:
+                while len(launched) > self.reducer.max_in_flight:
                     self._complete(grads, launched.pop(0), label)
         while launched:
             self._complete(grads, launched.pop(0), label)
@@ -305,16 +340,23 @@ class _Simulation:
     def _complete(self, grads: set[int], layout: int, label: str) -> None:
         grads.discard(layout)
         self.device.add("grad", -self.capacity(layout) * self.itemsize, label)
+        self.reducer.complete(layout, self.device, label)
 
     def _step(self, grads: set[int]) -> None:
-        device = self.device
-        if self.stage == 1:  # reduce-scatter every layout before the step
+        device, reducer = self.device, self.reducer
+        if reducer.reduces and not reducer.in_backward:  # every layout before the step
             self._reduce_remaining(grads, [], set(), "step")
+        num_params = len(self.trace.numels)
+        self._send(reducer.step_traffic(num_params))
+        self._send(self.sharding.step_traffic(num_params))
         if self.mixed and self.states_on_device:
             largest = max(self.state_elements(i) for i in self.packed.trainable)
             workspace = min(largest, WORKSPACE_ELEMENTS) * 4
-            device.add("workspace", workspace, "step")
-            device.add("workspace", -workspace, "step")
+            device.add(WORKSPACE, workspace, "step")
+            device.add(WORKSPACE, -workspace, "step")
+        for layout in self.packed.trainable:
+            self._send(self.gatherer.after_update(self.capacity(layout)))
+        self.gatherer.end_cycle(device, "step")
 
 
 def activation_peak(trace: ModelTrace) -> int:
@@ -339,27 +381,32 @@ def estimate_memory(
     trace: ModelTrace,
     packed: Layouts,
     config: Config,
-    world_size: int,
+    new_costs: Callable[[], StrategyCosts],
     capacity: int,
     gpu: bool,
     masters_on_device: bool,
-) -> tuple[MemoryEstimate, Counter[int]]:
-    """One rank's bytes, and the all-gathers of each layout in a step (ZeRO-3).
-    ``capacity`` is the device's; ``gpu`` whether updates on the host stage gradients through
-    host buffers (a real device) or read them in place (the simulated one)."""
-    probe = _Simulation(trace, packed, config, world_size)
+    wire: WireTally,
+) -> MemoryEstimate:
+    """One rank's bytes; the steady step's collectives are added to ``wire``. ``new_costs``
+    gives fresh cost models of the strategy's seams for each simulated run; ``capacity`` is
+    the device's; ``gpu`` whether updates on the host stage gradients through host buffers (a
+    real device) or read them in place (the simulated one)."""
+    probe = _Simulation(trace, packed, config, new_costs())
     trainable = packed.trainable
     elements = [probe.state_elements(i) for i in trainable]
+    probe.backward_cycle(0)
     homes = _state_homes(probe, config, capacity, elements)
     on_device = [i for i, home in zip(trainable, homes, strict=True) if home == "device"]
-    sim = _Simulation(trace, packed, config, world_size, states_on_device=bool(on_device))
+    costs = new_costs()  # the first cycle's pooled buffers are there in the steady one
+    first = _Simulation(trace, packed, config, costs, states_on_device=bool(on_device))
+    sim = _Simulation(trace, packed, config, costs, states_on_device=bool(on_device))
+    sim.wire = wire
     device_state = sum(sim.state_elements(i) for i in on_device) * state_bytes_per_element(
         config, on_device=True
     )
-    sim.run(device_state)
-    first = _Simulation(trace, packed, config, world_size, states_on_device=bool(on_device))
     masters = sum(sim.state_elements(i) for i in trainable) * 4 if sim.mixed else 0
     first.run(device_state, until_step=masters if masters_on_device else 0)
+    sim.run(device_state)
     host_state = sum(
         n * state_bytes_per_element(config, on_device=False)
         for n, home in zip(elements, homes, strict=True)
@@ -372,7 +419,7 @@ def estimate_memory(
     )
     host = host_state + _host_workspace(config, sim, homes, gpu)
     device = sim.device
-    estimate = MemoryEstimate(
+    return MemoryEstimate(
         peak_device_bytes=device.peak,
         peak_device_at=device.peak_at,
         first_cycle_peak_device_bytes=first.device.peak,
@@ -388,11 +435,13 @@ def estimate_memory(
         padding_elements=sum(layout.padding for layout in packed.layouts),
         elements_per_rank=sum(elements),
     )
-    return estimate, sim.gathers
 
 
-def _state_homes(sim: _Simulation, config: Config, capacity: int, elements: list[int]) -> list[str]:
-    """Each trainable layout's optimizer-state home, by ``OptimizerStates.place``'s rule."""
+def _state_homes(
+    probe: _Simulation, config: Config, capacity: int, elements: list[int]
+) -> list[str]:
+    """Each trainable layout's optimizer-state home, by ``OptimizerStates.place``'s rule;
+    ``probe`` has run the first cycle's micro-batches, up to the step that places them."""
     offload = config.offload
     offloaded = 0
     if offload.optimizer in ("host", "nvme"):
@@ -400,20 +449,11 @@ def _state_homes(sim: _Simulation, config: Config, capacity: int, elements: list
     rest = len(elements) - offloaded
     # What placement counts beside the states: the first (recording) cycle's non-model peak
     # (activations and a gradient being stored), and the dynamic chunks that exist then.
-    nonmodel_peak = activation_peak(sim.trace)
-    dynamic = sim.param_bytes()
-    if sim.separate_grads and sim.stage < 2:
-        dynamic += sum(sim.capacity(i) for i in sim.packed.trainable) * sim.itemsize
-    if sim.stage >= 1:
-        dynamic += sum(sim.shard(i) for i in sim.packed.trainable) * sim.itemsize
-    if sim.stage >= 2:
-        largest = max(layout.capacity for layout in sim.packed.layouts)
-        dynamic += 2 * largest * sim.itemsize
-    per_element = 8 + (4 if sim.mixed else 0)
+    per_element = 8 + (4 if probe.mixed else 0)
     on_device = optimizer_state_device_groups(
         capacity,
-        nonmodel_peak,
-        dynamic,
+        activation_peak(probe.trace),
+        probe.dynamic_at_step(),
         [n * per_element for n in elements[:rest]],
         "device" if offload.optimizer == "device" else "auto",
     )
@@ -478,7 +518,7 @@ def _min_device(sim: _Simulation) -> int:
         elif event[0] == "moment":
             moment += 1
             layouts = set(sim.unit_layouts[event[2]])
-            if sim.stage == 3 and moment + 1 < len(sim.moments):
+            if sim.gatherer.gathers_for_compute and moment + 1 < len(sim.moments):
                 layouts |= set(sim.unit_layouts[sim.moments[moment + 1][1]])
             moment_chunks = sum(sim.capacity(i) for i in layouts) * sim.itemsize
             if event[1] == "bwd" and sim.separate_grads:
