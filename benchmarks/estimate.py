@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "measured_wire_bytes": got["wire"],
             "estimated_wire_bytes": estimate.wire.bytes_per_rank,
             "measured_host_peak_bytes": got["host_peak"],
-            "estimated_host_first_cycle_bytes": estimate.memory.host_warmup_bytes,
+            "estimated_host_first_cycle_bytes": estimate.memory.first_cycle_host_bytes,
             "rel_error_device": relative(estimate.memory.peak_device_bytes, got["device_peak"]),
             "rel_error_wire": relative(estimate.wire.bytes_per_rank, got["wire"]),
             "rel_error_deepspeed": relative(formula, got["device_peak"]),

@@ -95,7 +95,7 @@ def estimator_rows() -> list[dict]:
                 "steady_device_peak_bytes": memory.peak_device_bytes,
                 "first_iteration_device_peak_bytes": memory.first_cycle_peak_device_bytes,
                 "steady_host_bytes": memory.host_bytes,
-                "first_iteration_host_bytes": memory.host_warmup_bytes,
+                "first_iteration_host_bytes": memory.first_cycle_host_bytes,
                 "allgather_bytes_per_step": wire.by_op.get("all_gather", 0),
                 "two_gathers_bytes": two_gathers,
                 "padding_fraction": memory.padding_elements

@@ -176,6 +176,12 @@ class _Resources:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def staging_bytes(block_bytes: int, io_threads: int) -> int:
+    """Host bytes of the tier's staging buffers: one block per reading thread and the write
+    window (``chunkmem estimate`` counts them with this)."""
+    return (io_threads + WRITE_BUFFERS) * block_bytes
+
+
 class NvmeTier(StorageTier):
     """Chunk payloads as files in ``directory`` (see the module's notes)."""
 
@@ -212,7 +218,7 @@ class NvmeTier(StorageTier):
             self._read_buffers.put(_StagingBuffer(block_bytes))
         for _ in range(WRITE_BUFFERS):
             self._write_buffers.put(_StagingBuffer(block_bytes))
-        self.staging_bytes = (io_threads + WRITE_BUFFERS) * block_bytes
+        self.staging_bytes = staging_bytes(block_bytes, io_threads)
         self._checksum = block_checksum()
         self._free: dict[int, list[NvmeExtent]] = {}
         self._free_lock = threading.Lock()

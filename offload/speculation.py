@@ -65,6 +65,17 @@ class Snapshot:
         return targets
 
     @staticmethod
+    def bytes_per_element(
+        masters: bool, state_itemsize: int, grad_in_param_slot: bool, compute_itemsize: int
+    ) -> int:
+        """Bytes of copy per element updated: the value (fp32 master, or the fp32 parameter),
+        both moments, and the 16-bit slot where it holds the gradient (:meth:`targets`)."""
+        value = 4
+        return (
+            value + 2 * state_itemsize + (compute_itemsize if masters and grad_in_param_slot else 0)
+        )
+
+    @staticmethod
     def elements(layout: ChunkLayout, pieces: list[Piece]) -> dict[torch.dtype, int]:
         """Elements of each dtype the copy needs."""
         needed: dict[torch.dtype, int] = {}
@@ -119,6 +130,22 @@ class Snapshot:
             self.update.slot_ids.discard(id(slot))
 
 
+def held_bytes(group_bytes: list[int], budget_bytes: int | None) -> int:
+    """The copies held at once when the groups of ``group_bytes`` (bytes of copy each, in the
+    order their gradients become final) are speculated: each that fits the budget beside those
+    before it, as :meth:`Speculation.reserve` takes them (``chunkmem estimate`` counts them
+    with this)."""
+    held = 0
+    for nbytes in group_bytes:
+        if _within(budget_bytes, held, nbytes):
+            held += nbytes
+    return held
+
+
+def _within(budget_bytes: int | None, held: int, nbytes: int) -> bool:
+    return budget_bytes is None or held + nbytes <= budget_bytes
+
+
 class Speculation:
     """The snapshots of one step's speculated groups, within ``budget_bytes`` (None: as much
     as the host budget has room for); counts the steps committed and rolled back."""
@@ -143,7 +170,7 @@ class Speculation:
         to it); None, with nothing held, when they do not fit the budget or the host."""
         needed = Snapshot.elements(layout, pieces)
         total = sum(dtype.itemsize * n for dtype, n in needed.items())
-        if self.budget_bytes is not None and self.held_bytes + total > self.budget_bytes:
+        if not _within(self.budget_bytes, self.held_bytes, total):
             return None
         spill = self.residency.tiers.spill
         if not self.residency.ledger.would_fit(spill.name, total):

@@ -144,7 +144,7 @@ def _max_model_text(result: dict[str, Any]) -> str:
         lines.append(
             f"{name}: {result['key']} = {value}: {found['model']}, {found['parameters']:,} "
             f"parameters; device peak {_size(memory['peak_device_bytes'])}, minimum "
-            f"{_size(memory['min_device_bytes'])}, host {_size(memory['host_warmup_bytes'])}"
+            f"{_size(memory['min_device_bytes'])}, host {_size(memory['peak_host_bytes'])}"
         )
     return "\n".join(lines)
 
@@ -177,7 +177,7 @@ def render(result: Estimate) -> str:
         ("device minimum (chunks moving)", _size(memory.min_device_bytes)),
         (
             "host (steady / first cycle)",
-            f"{_size(memory.host_bytes)} / {_size(memory.host_warmup_bytes)}",
+            f"{_size(memory.host_bytes)} / {_size(memory.first_cycle_host_bytes)}",
         ),
         ("NVMe", _size(memory.nvme_bytes)),
         (

@@ -60,7 +60,7 @@ class Estimate:
         """Everything stays on the device, nothing moves (None: no capacity given)."""
         if self.device_capacity is None:
             return None
-        host_ok = self.host_capacity is None or self.memory.host_warmup_bytes <= self.host_capacity
+        host_ok = self.host_capacity is None or self.memory.peak_host_bytes <= self.host_capacity
         return self.memory.peak_device_bytes <= self.device_capacity and host_ok
 
     @property
@@ -73,11 +73,12 @@ class Estimate:
         if self.host_capacity is None:
             return True
         spill = max(0, self.memory.peak_device_bytes - self.device_capacity)
-        return self.memory.host_warmup_bytes + spill <= self.host_capacity
+        return self.memory.peak_host_bytes + spill <= self.host_capacity
 
     def as_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["wire"]["intra_node_bytes_per_rank"] = self.wire.intra_node_bytes_per_rank
+        data["memory"]["peak_host_bytes"] = self.memory.peak_host_bytes
         data["fits_on_device"] = self.fits_on_device
         data["trains"] = self.trains
         return data

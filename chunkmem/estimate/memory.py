@@ -42,8 +42,11 @@ from chunkmem.layout_update import WORKSPACE_ELEMENTS
 from chunkmem.ledger import WORKSPACE
 from chunkmem.packing import Packer
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
-from chunkmem.sizing import COMPUTE_DTYPES, ChunkSizes, separate_grads
+from chunkmem.sizing import COMPUTE_DTYPES, STATE_DTYPES, ChunkSizes, separate_grads
+from offload.nvme import staging_bytes as nvme_staging_bytes
 from offload.overlap import speculative_reasons
+from offload.speculation import Snapshot
+from offload.speculation import held_bytes as speculation_held_bytes
 
 ACTIVATIONS = "activations"
 
@@ -116,14 +119,19 @@ class MemoryEstimate:
     device_bytes_at_peak: dict[str, int]  # by chunk kind, plus activations
     activation_peak_bytes: int
     min_device_bytes: int  # the smallest device that trains (chunks moving every step)
-    host_bytes: int
-    host_warmup_bytes: int
+    host_bytes: int  # the steady iterations' peak
+    first_cycle_host_bytes: int
     nvme_bytes: int
     state_homes: dict[str, int]  # chunk groups per tier
     chunk_size: int
     layouts: int
     padding_elements: int
     elements_per_rank: int
+
+    @property
+    def peak_host_bytes(self) -> int:
+        """The most the host holds at any time of the run."""
+        return max(self.host_bytes, self.first_cycle_host_bytes)
 
 
 class _Simulation:
@@ -427,7 +435,7 @@ def estimate_memory(
         activation_peak_bytes=activation_peak(trace),
         min_device_bytes=_min_device(sim),
         host_bytes=host,
-        host_warmup_bytes=host + _warmup_host(sim, masters_on_device),
+        first_cycle_host_bytes=_first_cycle_host(config, sim, masters_on_device),
         nvme_bytes=nvme,
         state_homes=dict(Counter(homes)),
         chunk_size=packed.sizes.trainable.size,
@@ -466,42 +474,70 @@ def _state_homes(
 
 def _host_workspace(config: Config, sim: _Simulation, homes: list[str], gpu: bool) -> int:
     """Host buffers an update on the host needs at once: the NVMe tier's staging buffers and
-    the states of two groups read in (one updating, one read ahead); on a GPU, the gradients
-    staged down and the values staged up for the layout being updated."""
+    the states of two groups read in (one updating, one read ahead: ``chunkmem.staging``); on
+    a GPU, the gradients staged down and the values staged up for the layout being updated;
+    the speculation's copies."""
     total = 0
     groups = [sim.state_elements(i) for i in sim.packed.trainable]
     if "nvme" in homes:
-        nvme = config.offload.nvme
-        total += (nvme.io_threads + 4) * nvme.block_size
+        total += _nvme_staging(config)
         total += 2 * max(groups) * state_bytes_per_element(config, on_device=False)
     if gpu and any(home != "device" for home in homes):
         total += max(groups) * 2 * sim.itemsize
     return total + _speculation(config, sim, homes)
 
 
+def _nvme_staging(config: Config) -> int:
+    if config.offload.optimizer != "nvme":
+        return 0
+    nvme = config.offload.nvme
+    return nvme_staging_bytes(nvme.block_size, nvme.io_threads)
+
+
 def _speculation(config: Config, sim: _Simulation, homes: list[str]) -> int:
-    """The copies that make speculative host updates undoable (offload/speculation.py): the
-    states (and 16-bit slots holding gradients) of every group updated on the host in
-    backward, up to ``offload.speculation_bytes``."""
+    """The copies that make speculative host updates undoable (``offload.speculation``): of
+    every group updated on the host, the elements it updates (its span's parameters, padding
+    left out) at the bytes a copy takes, in the order the groups become final (last packed
+    first), as many as ``offload.speculation_bytes`` allows."""
     if not config.offload.overlap or not speculative_reasons(config):
         return 0
-    moments = 2 * (4 if config.offload.state_dtype == "fp32" else 2)
-    per_element = 4 + moments + (0 if sim.separate_grads else sim.itemsize)
-    elements = sum(
-        sim.state_elements(i) for i, home in zip(sim.packed.trainable, homes, strict=True)
+    per_element = Snapshot.bytes_per_element(
+        sim.mixed,
+        STATE_DTYPES[config.offload.state_dtype].itemsize,
+        not sim.separate_grads,
+        sim.itemsize,
+    )
+    updated = [
+        _updated_elements(sim, layout)
+        for layout, home in zip(sim.packed.trainable, homes, strict=True)
         if home != "device"
-    )  # fmt: skip
-    budget = config.offload.speculation_bytes
-    return min(elements * per_element, budget if budget is not None else elements * per_element)
+    ]
+    return speculation_held_bytes(
+        [n * per_element for n in reversed(updated)], config.offload.speculation_bytes
+    )
 
 
-def _warmup_host(sim: _Simulation, masters_on_device: bool) -> int:
-    """The host during the first (recording) cycle, beyond the steady one's: the fp32 masters
-    wait there for the first step to give them their home, unless they start on the device
-    (``chunkmem.sizing.masters_start_on_device``)."""
-    if not sim.mixed or masters_on_device:
-        return 0
-    return sum(sim.state_elements(i) for i in sim.packed.trainable) * 4
+def _updated_elements(sim: _Simulation, layout: int) -> int:
+    """The most parameter elements any rank's state span of ``layout`` holds."""
+    chunk = sim.packed.layouts[layout]
+    span = sim.state_elements(layout)
+    ranks = chunk.capacity // span
+    used = [0] * ranks
+    for slot in chunk.slots:
+        start, end = slot.offset, slot.offset + slot.numel
+        for rank in range(start // span, min(ranks, -(-end // span))):
+            used[rank] += min(end, (rank + 1) * span) - max(start, rank * span)
+    return max(used)
+
+
+def _first_cycle_host(config: Config, sim: _Simulation, masters_on_device: bool) -> int:
+    """The host during the first (recording) cycle: the NVMe tier's staging buffers, and the
+    fp32 masters, which wait there for the first step to give them their home unless they
+    start on the device (``chunkmem.sizing.masters_start_on_device``)."""
+    masters = 0
+    if sim.mixed and not masters_on_device:
+        masters = sum(sim.state_elements(i) for i in sim.packed.trainable) * 4
+    return _nvme_staging(config) + masters
 
 
 def _min_device(sim: _Simulation) -> int:
