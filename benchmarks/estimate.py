@@ -1,37 +1,50 @@
-"""``chunkmem estimate`` against measured runs, and DeepSpeed's estimator formulas as the anchor.
+"""``chunkmem estimate`` against measured runs, the real allocator, the wire, and DeepSpeed's
+estimator formulas as the anchor.
 
-For every case (ZeRO stage 0, 1, 2, 3; optimizer states on the device or offloaded to the
-host; two GPT sizes, the larger one with activation checkpointing; two micro-batch sizes;
-bf16, where DeepSpeed's formulas apply) the engine trains three steps on a simulated device
-large enough that nothing has to move (stage 0 in one process, stages 1-3 on 2 gloo ranks)
-and the ledgers give, per rank:
+Cases (bf16, the simulated device large enough that nothing has to move; three steps each):
 
-- the peak device bytes of the run (chunks, workspaces and activations: the ledger's peak);
-- the bytes the rank sent in the collectives of the third step (the communication ledger).
+- **grid**: ZeRO stage 0, 1, 2, 3 x optimizer states on the device or on the host x two GPT
+  sizes (the larger with activation checkpointing) x two micro-batches; stage 0 in one
+  process, stages 1-3 on 2 gloo ranks.
+- **zeropp**: stage 3 on 4 gloo ranks as 2 nodes x 2 with qwZ, hpZ, qgZ and all three.
+- **nvme**: the states on the NVMe tier (a directory here), in one process and at ZeRO-3
+  on 2 ranks.
+- **frozen**: a GPT whose embeddings and first half of blocks are frozen (fine-tuning the
+  rest), in one process and at ZeRO-3 on 2 ranks.
 
-``chunkmem.estimate.estimate`` predicts both without training, for the simulated device
-(``gpu=False``: no host staging buffers). Keys:
+Measured per rank from the engine's ledgers: peak device, host and NVMe bytes, peak
+model-state bytes on the device (chunks only), the bytes sent in the third step's
+collectives and their cross-node share. ``chunkmem.estimate.estimate`` predicts them without
+training (``gpu=False``: the simulated device, no host staging of a real device). Keys:
 
 - ``max_rel_error_estimate_vs_measured``: the largest |predicted - measured| / measured over
-  every case, of peak device bytes and of wire bytes (the worst rank). Goal <= 0.10.
-- ``max_rel_error_deepspeed_formula_vs_measured``: the same for peak device bytes, predicted
-  by DeepSpeed's own estimators (deepspeed 0.19.8), computed here from their formulas:
-  ``estimate_zero2_model_states_mem_needs`` (runtime/zero/stage_1_and_2.py, lines 4017-4034)
-  returns ``gpu_mem = 2 P + int(18 P / gpus)``, or ``2 P`` with ``cpu_offload``;
-  ``estimate_zero3_model_states_mem_needs`` (runtime/zero/stage3.py, lines 4016-4052)
-  returns ``gpu_mem = 4 L + int(18 P / gpus)``, or ``4 L + int(2 P / gpus)`` with
-  ``cpu_offload`` and ``cpu_offload_params=False`` (the states offloaded, the parameters on
-  the device, as here). P: parameters, L: the largest module's own parameters (their
-  ``model_to_params``). Stage 0 takes the ZeRO-2 formula with one GPU (nothing partitioned),
-  stage 1 the ZeRO-2 one (DeepSpeed's file covers both stages). Their ``gpu_mem`` is
-  compared with our measured per-rank peak device bytes: it is the number they print as
-  "per GPU" for model states; it has no term for activations. DeepSpeed publishes no
-  estimator of wire bytes. Where deepspeed is installed the formulas are checked against
-  its functions.
+  every case of device peak, host peak, NVMe bytes, wire bytes and cross-node bytes (the
+  worst rank). Goal <= 0.05.
+- ``ledger_vs_allocator_peak_ratio``: the ledger's device peak plus host peak over the peak
+  of live bytes in torch's CPU allocator (the profiler's memory events, from before the
+  model is built), worst one-process case without NVMe (the NVMe tier's staging buffers are
+  not torch allocations). On the simulated device every chunk and activation is a CPU
+  tensor, so the allocator is a measurement the engine does not make itself. Goal >= 0.95.
+- ``wire_bytes_ledger_vs_veth_ratio``: the ledger's cross-node bytes of the ZeRO++ case over
+  the bytes the emulated cluster's veth pair transmitted in the same step
+  (``benchmarks._wire_counters``); needs root and iproute2, otherwise reported as skipped.
+- ``max_rel_error_deepspeed_formula_vs_measured``: DeepSpeed's own estimators (deepspeed
+  0.19.8), computed here from their formulas, against the measured peak *model-state* bytes
+  on the device (their formula has no term for activations or buffers), over the grid:
+  ``estimate_zero2_model_states_mem_needs`` (runtime/zero/stage_1_and_2.py) returns
+  ``gpu_mem = 2 P + int(18 P / gpus)``, or ``2 P`` with ``cpu_offload``;
+  ``estimate_zero3_model_states_mem_needs`` (runtime/zero/stage3.py) returns
+  ``gpu_mem = 4 L + int(18 P / gpus)``, or ``4 L + int(2 P / gpus)`` with ``cpu_offload``
+  and ``cpu_offload_params=False`` (states offloaded, parameters on the device, as here).
+  P: parameters, L: the largest module's own parameters. Stage 0 takes the ZeRO-2 formula
+  with one GPU, stage 1 the ZeRO-2 one. Where deepspeed is installed the formulas are
+  checked against its functions. DeepSpeed publishes no estimator of wire bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -42,12 +55,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
+from benchmarks import _wire_counters
 from benchmarks._common import parse_args, print_table, write_results
 
 CAPACITY = 8 * 2**30  # simulated: nothing has to move
 STEPS = 3
-WORLD = 2
+ZEROPP = {
+    "qwZ": {"quantized_weights": True},
+    "hpZ": {"hpz_partition_size": 2},
+    "qgZ": {"quantized_gradients": True},
+    "qwZ+hpZ+qgZ": {"quantized_weights": True, "hpz_partition_size": 2, "quantized_gradients": True},
+}  # fmt: skip
 FULL = {
     "sizes": [
         {"layers": 4, "width": 128, "seq": 64, "checkpointing": False},
@@ -66,77 +86,173 @@ _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "chunkmem"])
 
 
+def frozen_gpt(layers: int, width: int, seq: int) -> nn.Module:
+    """A GPT fine-tuned in its second half: embeddings (tied to the head) and the first
+    ``layers // 2`` blocks frozen."""
+    from chunkmem.models.gpt import GPT, GPTConfig
+
+    model = GPT(
+        GPTConfig(
+            vocab_size=256, block_size=seq, n_layer=layers, n_head=max(1, width // 64),
+            n_embd=width, checkpoint=True,
+        )
+    )  # fmt: skip
+    model.requires_grad_(False)
+    for block in model.blocks[layers // 2 :]:
+        block.requires_grad_(True)
+    model.ln_f.requires_grad_(True)
+    return model
+
+
 def cases(setup: dict[str, Any]) -> list[dict[str, Any]]:
-    return [
-        {"stage": stage, "offload": offload, "model": size, "batch": batch}
+    large = setup["sizes"][-1]
+    frozen = {"build": "benchmarks.estimate:frozen_gpt", "seq": large["seq"],
+              "kwargs": {key: large[key] for key in ("layers", "width", "seq")}}  # fmt: skip
+    grid = [
+        {
+            "family": "grid",
+            "stage": stage,
+            "offload": offload,
+            "model": size,
+            "batch": batch,
+            "world": 2 if stage else 1,
+        }  # fmt: skip
         for stage in (0, 1, 2, 3)
-        for offload in (False, True)
+        for offload in ("auto", "host")
         for size in setup["sizes"]
         for batch in setup["batches"]
     ]
+    batch = setup["batches"][0]
+    zeropp = [
+        {
+            "family": "zeropp",
+            "name": name,
+            "stage": 3,
+            "offload": "auto",
+            "model": large,
+            "batch": batch,
+            "world": 4,
+            "node": 2,
+            "zero": zero,
+        }  # fmt: skip
+        for name, zero in ZEROPP.items()
+    ]
+    spread = [
+        {
+            "family": family,
+            "stage": stage,
+            "offload": offload,
+            "model": model,
+            "batch": batch,
+            "world": 2 if stage else 1,
+        }  # fmt: skip
+        for family, offload, model in (("nvme", "nvme", large), ("frozen", "auto", frozen))
+        for stage in (0, 3)
+    ]
+    return grid + zeropp + spread
 
 
-def engine_config(case: dict[str, Any]) -> dict[str, Any]:
+def engine_config(case: dict[str, Any], nvme_directory: str | None = None) -> dict[str, Any]:
+    offload: dict[str, Any] = {"optimizer": case["offload"]}
+    if case["offload"] == "nvme":
+        offload["nvme"] = {"path": nvme_directory or "unused", "block_size": 1 << 20}
+    zero = {"stage": case["stage"], "timeout_s": 600, **case.get("zero", {})}
+    if case.get("node"):
+        zero["node_size"] = case["node"]
     return {
         "precision": "bf16",
         "device": {"type": "simulated", "capacity": CAPACITY},
-        "zero": {"stage": case["stage"], "timeout_s": 600},
-        "offload": {"optimizer": "host" if case["offload"] else "auto"},
+        "zero": zero,
+        "offload": offload,
     }
 
 
-def measure(case: dict[str, Any]) -> dict[str, int]:
-    """Train STEPS steps; this rank's peak device and host bytes, and wire bytes of the last."""
+def measure(case: dict[str, Any], nvme_directory: str | None, allocator: bool) -> dict[str, int]:
+    """Train STEPS steps; this rank's ledger peaks, wire bytes of the last step and, with
+    ``allocator``, the CPU allocator's peak of live bytes from the model's construction to the
+    end of the last step (``engine.close`` writes the weights back into the module: not
+    training)."""
+    gc.collect()  # an earlier case's garbage freed while profiled would offset the sum
+    profiler = _allocator_profiler() if allocator else contextlib.nullcontext()
+    with profiler:
+        engine = _train(case, nvme_directory)
+    ledger = engine.ledger
+    comm = getattr(engine.states.sharding, "comm", None)
+    result = {
+        "device_peak": ledger.device.peak,
+        "model_state_peak": ledger.device.peak_model,
+        "host_peak": ledger.tiers["host"].peak,
+        "nvme_peak": ledger.tiers["nvme"].peak if "nvme" in ledger.tiers else 0,
+        "wire": comm.ledger.bytes_sent(tag=STEPS - 1) if comm is not None else 0,
+        "cross_node": comm.ledger.cross_node_bytes(tag=STEPS - 1) if comm is not None else 0,
+    }
+    engine.close()
+    if allocator:
+        result["allocator_peak"] = _allocator_peak(profiler)
+    return result
+
+
+def _train(case: dict[str, Any], nvme_directory: str | None) -> Any:
     import chunkmem
     from chunkmem.cli.models import build_model
     from chunkmem.cli.settings import ModelSettings
 
     torch.manual_seed(0)
     model = build_model(ModelSettings(**case["model"]))
-    engine = chunkmem.initialize(model, config=engine_config(case))
+    engine = chunkmem.initialize(model, config=engine_config(case, nvme_directory))
     generator = torch.Generator().manual_seed(1)
+    seq = case["model"]["seq"]
     for _ in range(STEPS):
-        rows = torch.randint(0, 256, (case["batch"], case["model"]["seq"] + 1), generator=generator)
+        rows = torch.randint(0, 256, (case["batch"], seq + 1), generator=generator)
         loss = engine(rows[:, :-1], rows[:, 1:])
         engine.backward(loss)
         engine.step()
-    ledger = engine.ledger
-    comm = getattr(engine.states.sharding, "comm", None)
-    result = {
-        "device_peak": ledger.device.peak,
-        "host_peak": ledger.tiers["host"].peak,
-        "wire": comm.ledger.bytes_sent(tag=STEPS - 1) if comm is not None else 0,
-    }
-    engine.close()
-    return result
+        del loss, rows
+    return engine
 
 
-def rank_main(rank: int, port: int, store: str, todo: list[dict[str, Any]], out: str) -> None:
+def _allocator_profiler() -> torch.profiler.profile:
+    return torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    )
+
+
+def _allocator_peak(profiler: torch.profiler.profile) -> int:
+    """The most bytes live at once in torch's CPU allocator while profiled: the running sum of
+    the profiler's allocation (+) and free (-) events in time order."""
+    events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def rank_main(
+    rank: int, world: int, node: int | None, store: str, todo: list[dict[str, Any]], scratch: str
+) -> None:
     torch.set_num_threads(1)
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    )  # fmt: skip
+    env = {"RANK": str(rank), "LOCAL_RANK": str(rank % (node or world)), "WORLD_SIZE": str(world)}
+    if node:
+        env["LOCAL_WORLD_SIZE"] = str(node)
+    os.environ.update(env)
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
-    results = [measure(case) for case in todo]
-    Path(out).write_text(json.dumps(results))
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    results = [measure(case, f"{scratch}/nvme", allocator=False) for case in todo]
+    Path(scratch, f"rank{rank}.json").write_text(json.dumps(results))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def measure_distributed(todo: list[dict[str, Any]]) -> list[dict[str, int]]:
-    """Each case on WORLD ranks; per case the worst rank's numbers."""
-    from chunkmem.cli.launch import free_port
-
+def measure_distributed(todo: list[dict[str, Any]], world: int, node: int | None) -> list[dict]:
+    """Each case on ``world`` ranks; per case the worst rank's numbers, and the cross-node
+    bytes of all ranks."""
     with tempfile.TemporaryDirectory() as scratch:
-        outs = [str(Path(scratch) / f"rank{r}.json") for r in range(WORLD)]
         store = str(Path(scratch) / "store")
-        port = free_port()
         ranks = [
-            _CONTEXT.Process(target=rank_main, args=(r, port, store, todo, outs[r]))
-            for r in range(WORLD)
+            _CONTEXT.Process(target=rank_main, args=(r, world, node, store, todo, scratch))
+            for r in range(world)
         ]
         for process in ranks:
             process.start()
@@ -144,11 +260,13 @@ def measure_distributed(todo: list[dict[str, Any]]) -> list[dict[str, int]]:
             process.join()
             if process.exitcode:
                 raise RuntimeError(f"a rank exited with code {process.exitcode}")
-        per_rank = [json.loads(Path(out).read_text()) for out in outs]
-    return [
-        {key: max(rank[i][key] for rank in per_rank) for key in per_rank[0][i]}
-        for i in range(len(todo))
-    ]
+        per_rank = [json.loads(Path(scratch, f"rank{r}.json").read_text()) for r in range(world)]
+    combined = []
+    for i in range(len(todo)):
+        worst = {key: max(rank[i][key] for rank in per_rank) for key in per_rank[0][i]}
+        worst["cross_node_all_ranks"] = sum(rank[i]["cross_node"] for rank in per_rank)
+        combined.append(worst)
+    return combined
 
 
 def predict(case: dict[str, Any]) -> Any:
@@ -160,7 +278,8 @@ def predict(case: dict[str, Any]) -> Any:
         ModelSettings(**case["model"]),
         Config.from_dict(engine_config(case)),
         batch=case["batch"],
-        world_size=WORLD if case["stage"] else 1,
+        world_size=case["world"],
+        node_size=case.get("node"),
         device_capacity=CAPACITY,
         gpu=False,
     )
@@ -176,16 +295,17 @@ def deepspeed_inputs(case: dict[str, Any]) -> tuple[int, int, int]:
         model = build_model(ModelSettings(**case["model"]))
     total = sum({id(p): p.numel() for p in model.parameters()}.values())
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return total, largest, WORLD if case["stage"] else 1
+    return total, largest, case["world"]
 
 
 def deepspeed_formula(case: dict[str, Any]) -> int:
     """DeepSpeed's per-GPU model-state bytes for the case (see the module docstring)."""
     total, largest, gpus = deepspeed_inputs(case)
+    offload = case["offload"] == "host"
     if case["stage"] == 3:
-        states = 2 * total if case["offload"] else 18 * total
+        states = 2 * total if offload else 18 * total
         return 4 * largest + int(states / gpus)
-    return 2 * total if case["offload"] else 2 * total + int(18 * total / gpus)
+    return 2 * total if offload else 2 * total + int(18 * total / gpus)
 
 
 def check_against_deepspeed(case: dict[str, Any], ours: int) -> None:
@@ -196,90 +316,141 @@ def check_against_deepspeed(case: dict[str, Any], ours: int) -> None:
     except ImportError:
         return
     total, largest, gpus = deepspeed_inputs(case)
+    offload = case["offload"] == "host"
     if case["stage"] == 3:
         theirs = estimate_zero3_model_states_mem_needs(
-            total, largest, num_gpus_per_node=gpus, cpu_offload=case["offload"],
-            cpu_offload_params=False,
-        )[1]  # fmt: skip
+            total, largest, num_gpus_per_node=gpus, cpu_offload=offload, cpu_offload_params=False
+        )[1]
     else:
         theirs = estimate_zero2_model_states_mem_needs(
-            total, num_gpus_per_node=gpus, cpu_offload=case["offload"]
+            total, num_gpus_per_node=gpus, cpu_offload=offload
         )[1]
     assert theirs == ours, f"DeepSpeed says {theirs}, the formula {ours} for {case}"
 
 
 def label(case: dict[str, Any]) -> str:
     model = case["model"]
-    checkpointing = "+ckpt" if model["checkpointing"] else ""
-    return (
-        f"z{case['stage']} {'host' if case['offload'] else 'dev '} "
-        f"{model['layers']}x{model['width']}{checkpointing} b{case['batch']}"
-    )
+    if case["family"] == "frozen":
+        shape = f"frozen {model['kwargs']['layers']}x{model['kwargs']['width']}"
+    else:
+        shape = f"{model['layers']}x{model['width']}{'+ckpt' if model['checkpointing'] else ''}"
+    where = {"auto": "dev ", "host": "host", "nvme": "nvme"}[case["offload"]]
+    extra = f" {case['name']} 2x2" if case["family"] == "zeropp" else ""
+    return f"z{case['stage']} {where} {shape} b{case['batch']}{extra}"
 
 
 def relative(predicted: int, measured: int) -> float:
     return abs(predicted - measured) / measured if measured else float(predicted != 0)
 
 
+def measure_all(todo: list[dict[str, Any]]) -> dict[str, dict]:
+    """Every case: one-process ones here (the allocator profiled where it sees every tier),
+    the others in one launch per world shape."""
+    measured: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        for case in todo:
+            if case["world"] == 1:
+                measured[label(case)] = measure(case, scratch, case["offload"] != "nvme")
+    shapes = sorted({(c["world"], c.get("node") or 0) for c in todo if c["world"] > 1})
+    for world, node in shapes:
+        group = [c for c in todo if c["world"] == world and (c.get("node") or 0) == node]
+        measured.update(
+            zip(map(label, group), measure_distributed(group, world, node or None), strict=True)
+        )
+    return measured
+
+
+def compare(case: dict[str, Any], got: dict[str, int]) -> dict[str, Any]:
+    estimate = predict(case)
+    memory, wire = estimate.memory, estimate.wire
+    row: dict[str, Any] = {
+        "case": label(case),
+        **case,
+        "measured": got,
+        "estimated": {
+            "device_peak": memory.peak_device_bytes,
+            "host_peak": memory.peak_host_bytes,
+            "nvme_peak": memory.nvme_bytes,
+            "wire": wire.bytes_per_rank,
+            "cross_node": wire.cross_node_bytes_per_rank,
+            "cross_node_all_ranks": wire.cross_node_bytes_all_ranks,
+        },
+    }
+    errors = {
+        key: relative(row["estimated"][key], got[key])
+        for key in ("device_peak", "host_peak", "nvme_peak", "wire", "cross_node")
+    }
+    row["rel_error"] = errors
+    if case["family"] == "grid":
+        formula = deepspeed_formula(case)
+        check_against_deepspeed(case, formula)
+        row["deepspeed_gpu_mem_bytes"] = formula
+        row["rel_error_deepspeed_model_states"] = relative(formula, got["model_state_peak"])
+    if "allocator_peak" in got:
+        row["ledger_vs_allocator"] = (got["device_peak"] + got["host_peak"]) / got["allocator_peak"]
+    return row
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args("estimate", __doc__.splitlines()[0], argv)
     setup = QUICK if args.quick else FULL
     todo = cases(setup)
-    single = [case for case in todo if case["stage"] == 0]
-    spread = [case for case in todo if case["stage"]]
-    measured = dict(zip(map(label, single), map(measure, single), strict=True))
-    measured.update(zip(map(label, spread), measure_distributed(spread), strict=True))
-    rows, details = [], []
-    for case in todo:
-        got = measured[label(case)]
-        estimate = predict(case)
-        formula = deepspeed_formula(case)
-        check_against_deepspeed(case, formula)
-        row = {
-            "case": label(case),
-            **case,
-            "measured_peak_device_bytes": got["device_peak"],
-            "estimated_peak_device_bytes": estimate.memory.peak_device_bytes,
-            "deepspeed_gpu_mem_bytes": formula,
-            "measured_wire_bytes": got["wire"],
-            "estimated_wire_bytes": estimate.wire.bytes_per_rank,
-            "measured_host_peak_bytes": got["host_peak"],
-            "estimated_host_first_cycle_bytes": estimate.memory.first_cycle_host_bytes,
-            "rel_error_device": relative(estimate.memory.peak_device_bytes, got["device_peak"]),
-            "rel_error_wire": relative(estimate.wire.bytes_per_rank, got["wire"]),
-            "rel_error_deepspeed": relative(formula, got["device_peak"]),
-        }
-        details.append(row)
-        rows.append(
+    measured = measure_all(todo)
+    details = [compare(case, measured[label(case)]) for case in todo]
+    print_table(
+        "per rank: peak device, host and NVMe bytes, wire bytes per step (bf16); relative errors",
+        [
+            "case",
+            "device",
+            "err",
+            "host",
+            "err",
+            "nvme",
+            "wire",
+            "err",
+            "cross err",
+            "ds err",
+            "ledger/alloc",
+        ],  # fmt: skip
+        [
             [
                 row["case"],
-                got["device_peak"],
-                row["estimated_peak_device_bytes"],
-                formula,
-                got["wire"],
-                row["estimated_wire_bytes"],
-                row["rel_error_device"],
-                row["rel_error_deepspeed"],
-            ]
-        )
-    print_table(
-        "per-rank peak device bytes and wire bytes per step (bf16)",
-        ["case", "measured", "estimate", "deepspeed", "wire", "wire est.", "err", "ds err"],
-        rows,
+                row["measured"]["device_peak"],
+                row["rel_error"]["device_peak"],
+                row["measured"]["host_peak"],
+                row["rel_error"]["host_peak"],
+                row["measured"]["nvme_peak"],
+                row["measured"]["wire"],
+                row["rel_error"]["wire"],
+                row["rel_error"]["cross_node"],
+                row.get("rel_error_deepspeed_model_states", "-"),
+                row.get("ledger_vs_allocator", "-"),
+            ]  # fmt: skip
+            for row in details
+        ],
     )
+    veth = _wire_counters.measure_cluster(
+        ZEROPP["qwZ+hpZ+qgZ"], setup["sizes"][-1], setup["batches"][0]
+    )
+    worst = {
+        key: max(row["rel_error"][key] for row in details)
+        for key in ("device_peak", "host_peak", "nvme_peak", "wire", "cross_node")
+    }
     metrics = {
-        "max_rel_error_estimate_vs_measured": max(
-            max(r["rel_error_device"], r["rel_error_wire"]) for r in details
+        "max_rel_error_estimate_vs_measured": max(worst.values()),
+        "ledger_vs_allocator_peak_ratio": min(
+            row["ledger_vs_allocator"] for row in details if "ledger_vs_allocator" in row
         ),
+        "wire_bytes_ledger_vs_veth_ratio": veth.get("ledger_vs_veth_ratio"),
         "max_rel_error_deepspeed_formula_vs_measured": max(
-            r["rel_error_deepspeed"] for r in details
+            row["rel_error_deepspeed_model_states"] for row in details if row["family"] == "grid"
         ),
-        "max_rel_error_estimate_device_bytes": max(r["rel_error_device"] for r in details),
-        "max_rel_error_estimate_wire_bytes": max(r["rel_error_wire"] for r in details),
+        **{f"max_rel_error_estimate_{key}": value for key, value in worst.items()},
     }
     for key, value in metrics.items():
-        print(f"{key}: {value:.4f}")
-    path = write_results(args.json, metrics, {"cases": details, "capacity": CAPACITY}, args.quick)
+        print(f"{key}: {value}")
+    details_out = {"cases": details, "capacity": CAPACITY, "veth": veth}
+    path = write_results(args.json, metrics, details_out, args.quick)
     print(f"results: {path}")
     return 0
 
