@@ -57,7 +57,9 @@ class Estimate:
 
     @property
     def fits_on_device(self) -> bool | None:
-        """Everything stays on the device, nothing moves (None: no capacity given)."""
+        """Every chunk stays in its home: nothing is evicted, the steady iterations move only
+        what the optimizer states' homes call for (a host optimizer's gradients and values);
+        tests/test_estimate_verdicts.py holds the engine to it (None: no capacity given)."""
         if self.device_capacity is None:
             return None
         host_ok = self.host_capacity is None or self.memory.peak_host_bytes <= self.host_capacity
@@ -127,8 +129,12 @@ def estimate(
         chunks_move(config, sharded, capacity, dtype, trainable_numels, frozen_numels),
     )
     unit = config.placement.unit_elements
-    tokens = torch.zeros(batch, model.seq, dtype=torch.long, device="meta")
-    trace = trace_model(net, (tokens, tokens), sizes.largest if unit == "chunk" else unit, gpu)
+    # Inputs and targets as a training loop slices them from one row of seq + 1 tokens: the
+    # saved targets hold that row's storage, and flattening the strided targets for the loss
+    # copies them, as in a real step.
+    rows = torch.zeros(batch, model.seq + 1, dtype=torch.long, device="meta")
+    inputs = (rows[:, :-1], rows[:, 1:])
+    trace = trace_model(net, inputs, sizes.largest if unit == "chunk" else unit, gpu)
     packed = pack_layouts(params, trace, sizes, alignment)
     masters_on_device = masters_start_on_device(
         config, capacity, dtype, trainable_numels, frozen_numels, world_size
