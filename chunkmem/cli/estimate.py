@@ -219,7 +219,7 @@ def _verdict(result: Estimate) -> str:
         return "no device memory given (--device-memory or device.capacity): no verdict"
     memory = f"device {_size(result.device_capacity)}, host {_size(result.host_capacity)}"
     if result.fits_on_device:
-        return f"fits ({memory}): everything stays on the device, nothing moves"
+        return f"fits ({memory}): every chunk stays in its home, nothing is evicted"
     if result.trains:
         return (
             f"trains ({memory}) with chunks moving between the device and the host every "
