@@ -485,8 +485,9 @@ class Communicator:
         launched_at = time.monotonic()
         try:
             work = start(identity)
-        except RuntimeError as cause:
-            raise self._failed(_failure(op, group, launched_at, str(cause))) from cause
+        except RuntimeError as cause:  # a peer gone before the launch: ask the others, too
+            reason = self._explain(identity, group, cause)
+            raise self._failed(_failure(op, group, launched_at, reason)) from cause
         handle = Handle(op, group, work, launched_at, self, identity)
         if not async_op:
             handle.wait()
