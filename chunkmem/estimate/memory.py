@@ -37,16 +37,13 @@ import torch
 from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config
 from chunkmem.costs import StrategyCosts, Traffic, WireTally
+from chunkmem.estimate.host import host_bytes, state_bytes_per_element
 from chunkmem.estimate.trace import ModelTrace
 from chunkmem.layout_update import WORKSPACE_ELEMENTS
 from chunkmem.ledger import WORKSPACE
 from chunkmem.packing import Packer
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
-from chunkmem.sizing import COMPUTE_DTYPES, STATE_DTYPES, ChunkSizes, separate_grads
-from offload.nvme import staging_bytes as nvme_staging_bytes
-from offload.overlap import speculative_reasons
-from offload.speculation import Snapshot
-from offload.speculation import held_bytes as speculation_held_bytes
+from chunkmem.sizing import COMPUTE_DTYPES, ChunkSizes, separate_grads
 
 ACTIVATIONS = "activations"
 
@@ -176,6 +173,13 @@ class _Simulation:
 
     def state_elements(self, layout: int) -> int:
         return self.sharding.state_elements(self.capacity(layout))
+
+    @property
+    def masters_bytes(self) -> int:
+        """This rank's fp32 masters (bf16/fp16 only)."""
+        if not self.mixed:
+            return 0
+        return sum(self.state_elements(i) for i in self.packed.trainable) * 4
 
     def param_bytes(self) -> int:
         return sum(
@@ -379,12 +383,6 @@ def activation_peak(trace: ModelTrace) -> int:
     return peak
 
 
-def state_bytes_per_element(config: Config, on_device: bool) -> int:
-    """fp32 master (bf16/fp16 only) and two moments, in the dtype of their home."""
-    moments = 4 if on_device or config.offload.state_dtype == "fp32" else 2
-    return (4 if config.precision != "fp32" else 0) + 2 * moments
-
-
 def estimate_memory(
     trace: ModelTrace,
     packed: Layouts,
@@ -412,20 +410,9 @@ def estimate_memory(
     device_state = sum(sim.state_elements(i) for i in on_device) * state_bytes_per_element(
         config, on_device=True
     )
-    masters = sum(sim.state_elements(i) for i in trainable) * 4 if sim.mixed else 0
-    first.run(device_state, until_step=masters if masters_on_device else 0)
+    first.run(device_state, until_step=sim.masters_bytes if masters_on_device else 0)
     sim.run(device_state)
-    host_state = sum(
-        n * state_bytes_per_element(config, on_device=False)
-        for n, home in zip(elements, homes, strict=True)
-        if home == "host"
-    )
-    nvme = sum(
-        n * state_bytes_per_element(config, on_device=False)
-        for n, home in zip(elements, homes, strict=True)
-        if home == "nvme"
-    )
-    host = host_state + _host_workspace(config, sim, homes, gpu)
+    host = host_bytes(config, sim, elements, homes, gpu, masters_on_device)
     device = sim.device
     return MemoryEstimate(
         peak_device_bytes=device.peak,
@@ -434,9 +421,9 @@ def estimate_memory(
         device_bytes_at_peak=device.peak_by_kind,
         activation_peak_bytes=activation_peak(trace),
         min_device_bytes=_min_device(sim),
-        host_bytes=host,
-        first_cycle_host_bytes=_first_cycle_host(config, sim, masters_on_device),
-        nvme_bytes=nvme,
+        host_bytes=host.steady,
+        first_cycle_host_bytes=host.first_cycle,
+        nvme_bytes=host.nvme,
         state_homes=dict(Counter(homes)),
         chunk_size=packed.sizes.trainable.size,
         layouts=len(packed.layouts),
@@ -470,74 +457,6 @@ def _state_homes(
         offloaded_home if position >= rest else "device" if position < on_device else "host"
         for position in range(len(elements))
     ]
-
-
-def _host_workspace(config: Config, sim: _Simulation, homes: list[str], gpu: bool) -> int:
-    """Host buffers an update on the host needs at once: the NVMe tier's staging buffers and
-    the states of two groups read in (one updating, one read ahead: ``chunkmem.staging``); on
-    a GPU, the gradients staged down and the values staged up for the layout being updated;
-    the speculation's copies."""
-    total = 0
-    groups = [sim.state_elements(i) for i in sim.packed.trainable]
-    if "nvme" in homes:
-        total += _nvme_staging(config)
-        total += 2 * max(groups) * state_bytes_per_element(config, on_device=False)
-    if gpu and any(home != "device" for home in homes):
-        total += max(groups) * 2 * sim.itemsize
-    return total + _speculation(config, sim, homes)
-
-
-def _nvme_staging(config: Config) -> int:
-    if config.offload.optimizer != "nvme":
-        return 0
-    nvme = config.offload.nvme
-    return nvme_staging_bytes(nvme.block_size, nvme.io_threads)
-
-
-def _speculation(config: Config, sim: _Simulation, homes: list[str]) -> int:
-    """The copies that make speculative host updates undoable (``offload.speculation``): of
-    every group updated on the host, the elements it updates (its span's parameters, padding
-    left out) at the bytes a copy takes, in the order the groups become final (last packed
-    first), as many as ``offload.speculation_bytes`` allows."""
-    if not config.offload.overlap or not speculative_reasons(config):
-        return 0
-    per_element = Snapshot.bytes_per_element(
-        sim.mixed,
-        STATE_DTYPES[config.offload.state_dtype].itemsize,
-        not sim.separate_grads,
-        sim.itemsize,
-    )
-    updated = [
-        _updated_elements(sim, layout)
-        for layout, home in zip(sim.packed.trainable, homes, strict=True)
-        if home != "device"
-    ]
-    return speculation_held_bytes(
-        [n * per_element for n in reversed(updated)], config.offload.speculation_bytes
-    )
-
-
-def _updated_elements(sim: _Simulation, layout: int) -> int:
-    """The most parameter elements any rank's state span of ``layout`` holds."""
-    chunk = sim.packed.layouts[layout]
-    span = sim.state_elements(layout)
-    ranks = chunk.capacity // span
-    used = [0] * ranks
-    for slot in chunk.slots:
-        start, end = slot.offset, slot.offset + slot.numel
-        for rank in range(start // span, min(ranks, -(-end // span))):
-            used[rank] += min(end, (rank + 1) * span) - max(start, rank * span)
-    return max(used)
-
-
-def _first_cycle_host(config: Config, sim: _Simulation, masters_on_device: bool) -> int:
-    """The host during the first (recording) cycle: the NVMe tier's staging buffers, and the
-    fp32 masters, which wait there for the first step to give them their home unless they
-    start on the device (``chunkmem.sizing.masters_start_on_device``)."""
-    masters = 0
-    if sim.mixed and not masters_on_device:
-        masters = sum(sim.state_elements(i) for i in sim.packed.trainable) * 4
-    return _nvme_staging(config) + masters
 
 
 def _min_device(sim: _Simulation) -> int:
