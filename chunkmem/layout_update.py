@@ -410,12 +410,15 @@ class UpdateBuilder:
 Piece = tuple[TensorSlot, int, int]  # a slot and a range of its flat elements
 
 
-def owned_pieces(layout: ChunkLayout, span: tuple[int, int]) -> list[Piece]:
-    """The parts of slots with gradients that fall in ``span`` = (start, numel)."""
+def owned_pieces(
+    layout: ChunkLayout, span: tuple[int, int], with_grads_only: bool = True
+) -> list[Piece]:
+    """The parts of slots (with gradients, unless not ``with_grads_only``) that fall in
+    ``span`` = (start, numel)."""
     start, numel = span
     pieces = []
     for slot in layout.slots:
-        if not slot.has_grad:
+        if with_grads_only and not slot.has_grad:
             continue
         lo = max(0, start - slot.offset)
         hi = min(slot.numel, start + numel - slot.offset)

@@ -46,6 +46,10 @@ class SpeculationLike(Protocol):
 
     def reserve(self, layout: ChunkLayout, pieces: list[Piece]) -> Any: ...
 
+    def take_ahead(
+        self, layout: ChunkLayout, pieces: list[Piece], submit: Callable[..., Future]
+    ) -> None: ...
+
     def commit(self) -> None: ...
 
     def roll_back(self) -> list[Any]: ...
@@ -198,6 +202,26 @@ class ChunkAdam:
         update.pending = submit(update.run)
         return True
 
+    def take_ahead(
+        self, layouts: list[ChunkLayout], submit: Callable[[Callable[[], None]], Future]
+    ) -> None:
+        """A forward starts: where early updates are speculative, copy the states of the
+        ``layouts`` whose updates run on the host, where those states live, through
+        ``submit`` (offload/speculation.py, [Note: copies taken ahead])."""
+        if self.speculation is None or self.states.homes is None:
+            return
+        if self.updates.host_kernels() is None:
+            return
+        for layout in layouts:
+            home = self.states.home(layout)
+            if home.compute or not home.addressable:
+                continue
+            # Before backward no slot has a gradient: the update's pieces are those of every
+            # slot as a rule (else the copy is dropped and the update takes its own).
+            pieces = owned_pieces(layout, self.states.state_span(layout), with_grads_only=False)
+            if pieces:
+                self.speculation.take_ahead(layout, pieces, submit)
+
     def wait_early(self, layout: ChunkLayout) -> None:
         """Before anything writes ``layout``'s gradient chunks again: its early run is over."""
         update = self.launched.get(layout.index)
@@ -220,11 +244,10 @@ class ChunkAdam:
         """The norm is known: keep the speculative early updates (``held``: the step neither
         clips, overflows nor meets a non-finite value), or undo them all exactly, so that
         the step updates every layout itself (offload/speculation.py)."""
-        if not self.speculating:
+        if self.speculation is None:
             return
-        assert self.speculation is not None
-        if held:
-            self.speculation.commit()
+        if held or not self.speculation.active:
+            self.speculation.commit()  # and copies taken ahead for updates that did not start
             return
         launched, self.launched = self.launched, {}
         for update in launched.values():

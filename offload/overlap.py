@@ -63,6 +63,15 @@ class OverlappedStep:
         self.started = 0  # updates started early, over the run
         reducer.listener = self
 
+    def forward(self) -> None:
+        """The host thread is idle until backward's first final gradients: copies that make
+        this step's speculative updates undoable are taken now, in the order the layouts
+        became final last cycle (offload/speculation.py, [Note: copies taken ahead])."""
+        order = self._now or self._order
+        layouts = {layout.index: layout for layout in self.optimizer.params.trainable_layouts()}
+        ordered = [layouts[i] for i in order if i in layouts]
+        self.optimizer.take_ahead(ordered, self._executor.submit)
+
     def begin(self) -> None:
         if self._now:
             self._order = self._now

@@ -33,9 +33,13 @@ every bit and then runs it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from concurrent.futures import Future
+
 import torch
 
-from chunkmem.chunk import ChunkKind, ChunkLayout
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.layout_update import LayoutUpdate, Piece, spans
 from chunkmem.residency import Residency
 from chunkmem.staging import Staging
@@ -44,7 +48,10 @@ SPECULATION = "speculation"  # the ledger's (and the report's) name for the copi
 
 
 class Snapshot:
-    """What one speculated group's update overwrites, copied before it runs."""
+    """What one speculated group's update overwrites, copied before it runs: the states
+    (ahead of the update, while the forward runs, where they live in host memory; otherwise
+    on the update's thread before its kernels) and the 16-bit slots that hold gradients
+    (before the kernels: backward writes them)."""
 
     def __init__(
         self, layout: ChunkLayout, pieces: list[Piece], residency: Residency, buffers: dict
@@ -52,28 +59,37 @@ class Snapshot:
         self.layout = layout
         self.pieces = pieces
         self.update: LayoutUpdate | None = None  # attached once prepared
+        self.ahead: Future | None = None  # the states' copy, when taken ahead
+        self.grad_slots: list[TensorSlot] = []  # known when the update is attached
         self._residency = residency
         self._buffers = buffers  # dtype -> host tensor
+        self._filled: dict[torch.dtype, int] = {}
         self._saved: list[tuple[ChunkKind, list[Piece], torch.Tensor]] = []
-        self.grad_slots = [s for s, _lo, _hi in pieces if s.grad_in_param_slot]
 
     @staticmethod
-    def targets(layout: ChunkLayout, pieces: list[Piece]) -> list[tuple[ChunkKind, list[Piece]]]:
-        """(chunk kind, pieces) whose elements the update overwrites."""
-        chunks = layout.chunks
-        value = ChunkKind.MASTER if ChunkKind.MASTER in chunks else ChunkKind.PARAM
-        targets = [(value, pieces), (ChunkKind.EXP_AVG, pieces), (ChunkKind.EXP_AVG_SQ, pieces)]
+    def state_targets(
+        layout: ChunkLayout, pieces: list[Piece]
+    ) -> list[tuple[ChunkKind, list[Piece]]]:
+        """(chunk kind, pieces) of the values and moments the update overwrites."""
+        value = ChunkKind.MASTER if ChunkKind.MASTER in layout.chunks else ChunkKind.PARAM
+        return [(value, pieces), (ChunkKind.EXP_AVG, pieces), (ChunkKind.EXP_AVG_SQ, pieces)]
+
+    @staticmethod
+    def slot_targets(
+        layout: ChunkLayout, pieces: list[Piece]
+    ) -> list[tuple[ChunkKind, list[Piece]]]:
+        """The 16-bit slots holding gradients that rounding the masters overwrites."""
         in_slot = [p for p in pieces if p[0].grad_in_param_slot]
-        if value is ChunkKind.MASTER and in_slot:
-            targets.append((ChunkKind.PARAM, in_slot))
-        return targets
+        if ChunkKind.MASTER not in layout.chunks or not in_slot:
+            return []
+        return [(ChunkKind.PARAM, in_slot)]
 
     @staticmethod
     def bytes_per_element(
         masters: bool, state_itemsize: int, grad_in_param_slot: bool, compute_itemsize: int
     ) -> int:
         """Bytes of copy per element updated: the value (fp32 master, or the fp32 parameter),
-        both moments, and the 16-bit slot where it holds the gradient (:meth:`targets`)."""
+        both moments, and the 16-bit slot where it holds the gradient."""
         value = 4
         return (
             value + 2 * state_itemsize + (compute_itemsize if masters and grad_in_param_slot else 0)
@@ -81,29 +97,52 @@ class Snapshot:
 
     @staticmethod
     def elements(layout: ChunkLayout, pieces: list[Piece]) -> dict[torch.dtype, int]:
-        """Elements of each dtype the copy needs."""
+        """Elements of each dtype the copy needs: the 16-bit slots counted for every piece
+        where the layout has masters and no gradient chunk (its gradients sit in the slots,
+        which a copy taken ahead cannot know yet)."""
+        targets = Snapshot.state_targets(layout, pieces)
+        chunks = layout.chunks
+        if ChunkKind.MASTER in chunks and ChunkKind.GRAD not in chunks:
+            targets.append((ChunkKind.PARAM, pieces))
+        else:
+            targets.extend(Snapshot.slot_targets(layout, pieces))
         needed: dict[torch.dtype, int] = {}
-        for kind, kind_pieces in Snapshot.targets(layout, pieces):
-            dtype = layout.chunks[kind].dtype
+        for kind, kind_pieces in targets:
+            dtype = chunks[kind].dtype
             needed[dtype] = needed.get(dtype, 0) + sum(hi - lo for _s, lo, hi in kind_pieces)
         return needed
 
     def attach(self, update: LayoutUpdate) -> None:
         """``update`` (prepared from these pieces) takes the copy when it runs."""
         self.update = update
+        self.grad_slots = [s for s, _lo, _hi in self.pieces if s.grad_in_param_slot]
         update.before_run.append(self.take)
 
+    def take_states(self) -> None:
+        """Copy the values and moments from their chunks in host memory (on the update's
+        thread, ahead of the update: nothing writes them until it runs)."""
+        self._copy(self.state_targets(self.layout, self.pieces), self.layout.chunks)
+
     def take(self) -> None:
-        """Copy what the update will overwrite (on the update's thread, before its kernels)."""
+        """Copy what the update will overwrite and was not taken ahead (on the update's
+        thread, before its kernels)."""
         assert self.update is not None
-        offsets: dict[torch.dtype, int] = {}
-        for kind, pieces in self.targets(self.layout, self.pieces):
-            chunk = self.update.chunks[kind]
+        if self.ahead is not None:
+            self.ahead.result()  # ran before this on the same thread: raises what it raised
+        else:
+            self._copy(self.state_targets(self.layout, self.pieces), self.update.chunks)
+        self._copy(self.slot_targets(self.layout, self.pieces), self.update.chunks)
+
+    def _copy(
+        self, targets: list[tuple[ChunkKind, list[Piece]]], chunks: dict[ChunkKind, Chunk]
+    ) -> None:
+        for kind, pieces in targets:
+            chunk = chunks[kind]
             views = spans(chunk, pieces)
             size = sum(v.numel() for v in views)
-            start = offsets.get(chunk.dtype, 0)
+            start = self._filled.get(chunk.dtype, 0)
             buffer = self._buffers[chunk.dtype][start : start + size]
-            offsets[chunk.dtype] = start + size
+            self._filled[chunk.dtype] = start + size
             torch._foreach_copy_(list(torch.split(buffer, [v.numel() for v in views])), views)
             self._saved.append((kind, pieces, buffer))
 
@@ -153,7 +192,16 @@ def _within(budget_bytes: int | None, held: int, nbytes: int) -> bool:
 class Speculation:
     """The snapshots of one step's speculated groups, in buffers kept per group across steps
     within ``budget_bytes`` (None: as much as the host budget has room for); counts the steps
-    committed and rolled back."""
+    committed and rolled back.
+
+    [Note: copies taken ahead] A group's states do not change between the step that last
+    updated them and its next update, so where they live in host memory their copy is taken
+    as soon as the next forward starts (:meth:`take_ahead`, queued on the update thread in the
+    order the groups became final): the host, idle until backward's first gradients are final
+    (on a GPU machine, for the whole forward), copies then, and the update only copies the
+    16-bit slots that backward filled with gradients. A copy taken ahead for pieces that differ
+    from the update's, or whose update does not start early, is dropped once it has run.
+    """
 
     def __init__(self, residency: Residency, budget_bytes: int | None) -> None:
         self.residency = residency
@@ -162,7 +210,10 @@ class Speculation:
         self.held_bytes = 0  # of every kept buffer
         self.commits = 0
         self.rollbacks = 0
-        self._snapshots: list[Snapshot] = []
+        self.used_ahead = 0  # copies taken ahead that an update used, over the run
+        self.dropped_ahead = 0  # and that none did (their pieces differed, or no early start)
+        self._snapshots: list[Snapshot] = []  # of this step's speculated updates
+        self._ahead: dict[int, Snapshot] = {}  # layout index -> states copied ahead
         self._kept: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # layout index -> buffers
 
     @property
@@ -170,9 +221,35 @@ class Speculation:
         """Whether updates of this step were taken speculatively."""
         return bool(self._snapshots)
 
+    def take_ahead(
+        self, layout: ChunkLayout, pieces: list[Piece], submit: Callable[..., Future]
+    ) -> None:
+        """Start copying the states the update of ``pieces`` will overwrite (they live in host
+        memory, with fp32 masters) through ``submit``, the update thread's queue."""
+        if layout.index in self._ahead or ChunkKind.MASTER not in layout.chunks:
+            return
+        snapshot = self._snapshot(layout, pieces)
+        if snapshot is not None:
+            snapshot.ahead = submit(snapshot.take_states)
+            self._ahead[layout.index] = snapshot
+
     def reserve(self, layout: ChunkLayout, pieces: list[Piece]) -> Snapshot | None:
-        """The buffers that make the update of ``pieces`` undoable (attach the prepared update
-        to it); None, with nothing taken, when they do not fit the budget or the host."""
+        """The snapshot that makes the update of ``pieces`` undoable (attach the prepared
+        update to it); None, with nothing taken, when its copy does not fit the budget or the
+        host."""
+        ahead = self._ahead.pop(layout.index, None)
+        if ahead is not None:
+            if _same_pieces(ahead.pieces, pieces):
+                self.used_ahead += 1
+                self._snapshots.append(ahead)
+                return ahead
+            self._wait_dropped(ahead)  # it writes the buffers reused below
+        snapshot = self._snapshot(layout, pieces)
+        if snapshot is not None:
+            self._snapshots.append(snapshot)
+        return snapshot
+
+    def _snapshot(self, layout: ChunkLayout, pieces: list[Piece]) -> Snapshot | None:
         needed = Snapshot.elements(layout, pieces)
         kept = self._kept.get(layout.index)
         if kept is None or any(
@@ -182,9 +259,7 @@ class Speculation:
             if kept is None:
                 return None
         buffers = {dtype: kept[dtype][:numel] for dtype, numel in needed.items()}
-        snapshot = Snapshot(layout, pieces, self.residency, buffers)
-        self._snapshots.append(snapshot)
-        return snapshot
+        return Snapshot(layout, pieces, self.residency, buffers)
 
     def _keep(
         self, index: int, needed: dict[torch.dtype, int]
@@ -213,7 +288,8 @@ class Speculation:
             self.residency.free_workspace(buffer, spill, kind=SPECULATION)
 
     def commit(self) -> None:
-        """The assumption held: the speculated updates stand."""
+        """The assumption held (or nothing was speculated): the speculated updates stand."""
+        self._drop_ahead()
         if self._snapshots:
             self.commits += 1
         self._snapshots = []
@@ -221,6 +297,7 @@ class Speculation:
     def roll_back(self) -> list[Snapshot]:
         """The assumption failed: restore every speculated group (their runs are over and
         finished); returns their snapshots, restored."""
+        self._drop_ahead()
         snapshots, self._snapshots = self._snapshots, []
         try:
             for snapshot in reversed(snapshots):
@@ -233,4 +310,24 @@ class Speculation:
     def cancel(self) -> None:
         """An aborted cycle: the copies are dropped (the abort undoes or stops by itself); the
         buffers stay for the next step."""
+        self._drop_ahead()
         self._snapshots = []
+
+    def _drop_ahead(self) -> None:
+        """Copies taken ahead for updates that did not start early: over before anything
+        writes the states they read or the buffers they fill."""
+        ahead, self._ahead = self._ahead, {}
+        for snapshot in ahead.values():
+            self._wait_dropped(snapshot)
+
+    def _wait_dropped(self, snapshot: Snapshot) -> None:
+        """Wait for a copy taken ahead that no update uses: a failure does not matter
+        (nothing will be restored from it)."""
+        assert snapshot.ahead is not None
+        self.dropped_ahead += 1
+        with contextlib.suppress(Exception):
+            snapshot.ahead.result()
+
+
+def _same_pieces(a: list[Piece], b: list[Piece]) -> bool:
+    return [(id(s), lo, hi) for s, lo, hi in a] == [(id(s), lo, hi) for s, lo, hi in b]

@@ -11,7 +11,7 @@ import torch
 
 from chunkmem.errors import EngineUsageError
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
-from tests.offload_helpers import batches, initialize, make_model
+from tests.offload_helpers import Net, batches, initialize, make_model
 
 DEVICE = {"type": "simulated", "capacity": 500_000}
 STEPS = 8
@@ -193,3 +193,45 @@ def test_discard_after_a_speculative_backward_undoes_it() -> None:
     assert all(torch.equal(after[k], before[k]) for k in before)
     with pytest.raises(EngineUsageError, match="needs engine.backward"):
         engine.step()
+
+
+class Branching(Net):
+    """The last hidden layer is left out on odd steps: its slots get no gradient there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip_last = False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.frozen(torch.tanh(self.inp(x))))
+        layers = self.hidden[:-1] if self.skip_last else self.hidden
+        for layer in layers:
+            h = h + torch.tanh(layer(h))
+        return torch.nn.functional.mse_loss(self.out(h), y)
+
+
+def test_states_copied_ahead_in_the_forward_keep_every_step_exact() -> None:
+    """Host states are copied while the forward runs (offload/speculation.py, [Note: copies
+    taken ahead]); a copy whose update's pieces differ (a layer left out) is dropped and the
+    update copies its own. Steps equal the serial ones bit for bit, clipping forced or not."""
+    data = batches(STEPS, rows=8)
+    runs, engines = {}, {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Branching()
+        engine = initialize(model, device=DEVICE,
+                            offload={"optimizer": "host", "overlap": overlap}, **recipe("clip"))  # fmt: skip
+        out = []
+        for step, (x, y) in enumerate(data):
+            model.skip_last = step % 2 == 1
+            loss = engine(x, y) * (1e4 if step in BIG else 1.0)
+            engine.backward(loss)
+            engine.step()
+            out.append(engine.state_dict())
+        runs[overlap], engines[overlap] = out, engine
+    for serial, overlapped in zip(runs[False], runs[True], strict=True):
+        assert all(torch.equal(serial[k], overlapped[k]) for k in serial)
+    speculation = engines[True].optimizer.speculation
+    assert speculation.used_ahead > 0, "updates used copies taken in the forward"
+    assert speculation.dropped_ahead > 0, "the left-out layer's copies were dropped"
+    assert speculation.rollbacks == len(BIG)
