@@ -176,18 +176,32 @@ def test_without_a_compiler_the_reference_runs_and_one_warning_says_why(tmp_path
 
 
 def test_concurrent_first_builds_share_one_cache_entry(tmp_path):
-    code = "from kernels._native import load_cpu; print(load_cpu().path)"
-    env = {**os.environ, "CHUNKMEM_CACHE_DIR": str(tmp_path)}
+    """Two processes miss the cache at once (the ranks of a distributed run); a tiny source
+    through the same ``build`` as the kernels (the real library takes 15 s to compile)."""
+    source = tmp_path / "tiny.cpp"
+    source.write_text('extern "C" int answer() { return 42; }\n')
+    code = (
+        "import shutil, sys; from pathlib import Path; from kernels._build import build; "
+        "print(build('tiny', shutil.which('g++') or 'g++', Path(sys.argv[1]), "
+        "['-shared', '-fPIC']))"
+    )
+    cache = tmp_path / "cache"
+    env = {**os.environ, "CHUNKMEM_CACHE_DIR": str(cache)}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
-        )
+            [sys.executable, "-c", code, str(source)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
         for _ in range(2)
     ]
     paths = {p.communicate(timeout=300)[0].strip() for p in procs}
     assert all(p.returncode == 0 for p in procs)
-    built = sorted(tmp_path.rglob("*"))
-    assert len(paths) == 1 and [p for p in built if p.is_file()] == [Path(paths.pop())]
+    files = [p for p in sorted(cache.rglob("*")) if p.is_file()]
+    assert len(paths) == 1 and files == [Path(paths.pop())]
+    assert ctypes.CDLL(str(files[0])).answer() == 42
 
 
 def test_a_failed_build_shows_the_compiler_output(tmp_path, monkeypatch):

@@ -290,9 +290,12 @@ def test_a_dead_rank_stops_the_others_with_a_named_collective(stage: int) -> Non
 def first_iteration(comm, capacity: int | None) -> dict:
     """ZeRO-3 with checkpointing in bf16; per iteration: the device peak and the bytes moved
     to the host; and the losses."""
-    torch.manual_seed(0)
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = GPT(replace(CONFIG, n_layer=6, checkpoint=True))
     engine = chunkmem.initialize(
-        GPT(replace(CONFIG, n_layer=6, checkpoint=True)),
+        model,
+        comm=comm,
         config={
             "precision": "bf16",
             "device": {"type": "simulated", "capacity": capacity or "1GiB"},
@@ -313,17 +316,16 @@ def first_iteration(comm, capacity: int | None) -> dict:
     return {"peaks": peaks, "to_host": to_host, "losses": losses}
 
 
-@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_a_device_of_the_steady_peak_plus_ten_percent_trains_from_step_one() -> None:
     """Before, the first backward held every whole gradient chunk until its end and the
     recording cycle kept no chunk it did not use that moment: at this capacity the first
     iteration spilled parameters and gradients to the host (4.8 MB here) and fetched them
     back. Now it reduces as gradients come and keeps what fits, like every later one."""
-    roomy = run_ranks(first_iteration, 2, None, timeout_s=20)
+    roomy = run_threads(first_iteration, 2, None, timeout_s=20)
     steady = max(max(r["peaks"][1:]) for r in roomy)
     capacity = int(1.1 * steady)
-    tight = run_ranks(first_iteration, 2, capacity, timeout_s=20)
+    tight = run_threads(first_iteration, 2, capacity, timeout_s=20)
     for rank, result in enumerate(tight):
         assert max(result["peaks"]) <= capacity, rank
         assert result["peaks"][0] <= 1.1 * steady, rank
