@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkmem-installed
 
-.PHONY: venv demo test test-threads test-slow bench lint clean cuda-check gpu-check gpu-wheels
+.PHONY: venv demo test test-integration test-threads test-slow bench lint clean cuda-check gpu-check gpu-wheels
 
 venv: $(STAMP)
 
@@ -26,9 +26,14 @@ demo: $(STAMP)
 	$(VENV)/bin/chunkmem train --out runs/demo --set train.checkpoint_every=250
 	$(VENV)/bin/chunkmem train --out runs/demo-resumed --resume runs/demo/checkpoints/step_000250
 
-# One worker per core (pytest-xdist): the tests run one torch thread each.
+# One worker per core (pytest-xdist): the tests run one torch thread each. The end-to-end
+# cases that launch several processes (the command line's ranks, Lightning's launcher,
+# torchrun, the docs' examples) are `make test-integration`; CI runs both.
 test: $(STAMP)
 	$(PY) -m pytest -q -n auto
+
+test-integration: $(STAMP)
+	$(PY) -m pytest -q -n auto -m integration
 
 # The engine-level tests (numbers compared with PyTorch, across processes and ranks), not the
 # kernel matrix, with 2 torch threads in every process (docs/reproducibility.md): catches the

@@ -243,6 +243,7 @@ def _spawn_train(run: Path, *extra: str) -> subprocess.Popen:
 
 
 @pytest.mark.distributed
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_two_ranks_stop_together_on_a_signal_to_one_and_resume(tmp_path: Path) -> None:
     run = tmp_path / "run"

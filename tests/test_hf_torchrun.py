@@ -54,6 +54,7 @@ def global_batch(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.distributed
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_llama_at_zero3_under_torchrun_matches_the_summed_reference_bit_for_bit(tmp_path) -> None:
     env = child_env()

@@ -38,6 +38,7 @@ def doc_files() -> dict[str, str]:
         ("train_hf.py", "transformers", r"8 steps, loss \d.*, 656,512 parameters"),
     ],
 )
+@pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_the_docs_example_runs(tmp_path: Path, script: str, framework: str, printed: str) -> None:
     pytest.importorskip(framework)

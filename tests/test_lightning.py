@@ -179,6 +179,7 @@ def _on_a_rank(comm, config: dict) -> tuple[dict, dict, list[float], list[float]
 
 
 @pytest.mark.distributed
+@pytest.mark.integration
 def test_two_gloo_ranks_at_zero2_train_like_the_engine_driven_by_hand() -> None:
     config = {**CONFIG, "zero": {"stage": 2}}
     for ours, theirs, our_losses, their_losses in run_ranks(_on_a_rank, 2, config):
