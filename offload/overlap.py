@@ -67,10 +67,9 @@ class OverlappedStep:
         """The host thread is idle until backward's first final gradients: copies that make
         this step's speculative updates undoable are taken now, in the order the layouts
         became final last cycle (offload/speculation.py, [Note: copies taken ahead])."""
-        order = self._now or self._order
-        layouts = {layout.index: layout for layout in self.optimizer.params.trainable_layouts()}
-        ordered = [layouts[i] for i in order if i in layouts]
-        self.optimizer.take_ahead(ordered, self._executor.submit)
+        if self.optimizer.speculation is None:
+            return  # every forward passes here: nothing to do without speculation
+        self.optimizer.take_ahead(self._layouts(self._now or self._order), self._executor.submit)
 
     def begin(self) -> None:
         if self._now:
@@ -117,8 +116,13 @@ class OverlappedStep:
         position = order.index(index) + 1
         if position >= len(order) or order[position] in self._now:
             return None
-        layouts = {layout.index: layout for layout in self.optimizer.params.trainable_layouts()}
-        return layouts.get(order[position])
+        upcoming = self._layouts([order[position]])
+        return upcoming[0] if upcoming else None
+
+    def _layouts(self, indices: list[int]) -> list[ChunkLayout]:
+        """The trainable layouts of ``indices``, in that order."""
+        by_index = {layout.index: layout for layout in self.optimizer.params.trainable_layouts()}
+        return [by_index[i] for i in indices if i in by_index]
 
 
 def attach(config: Config, optimizer: ChunkAdam, reducer: GradReducer) -> OverlappedStep | None:

@@ -13,20 +13,20 @@ neither clip (coefficient 1), overflow nor meet a non-finite value. When the nor
   step counts, 16-bit values, and gradients where they shared the parameter slot) and the
   step runs serially with the real coefficient, or is skipped.
 
-Adam's update is not invertible in floating point, so undoing means keeping the inputs: before
-a speculated update runs, on its own thread once its states are in host memory, it copies what
-it will overwrite into a host buffer (:class:`Snapshot`): the fp32 masters (fp32 training: the
-parameters) and both moments of the elements it updates, and the 16-bit slots that hold
-gradients. Cost per element: 12 bytes of host memory in bf16/fp16 with fp32 states (8 with
-bf16 moments, +2 where a gradient sits in the parameter slot), held from the update to the
-step; bandwidth: one extra read and write of those bytes per speculated group (a host memcpy
-on the update's thread), and on a rollback one more copy back before the serial update.
+Adam's update is not invertible in floating point, so undoing means keeping the inputs: a
+speculated update first copies what it will overwrite into host buffers (:class:`Snapshot`):
+the fp32 masters (fp32 training: the parameters) and both moments of the elements it updates,
+and the 16-bit slots that hold gradients. Where the states live in host memory their copy is
+taken ahead, when the forward starts ([Note: copies taken ahead]); otherwise on the update's
+thread once the states are in host memory. Cost per element: 12 bytes of host memory in
+bf16/fp16 with fp32 states (8 with bf16 moments, +2 where a gradient sits in the parameter
+slot), in buffers kept per group from the first step that speculates to the engine's end (a
+standing reservation, which the ledger and ``chunkmem estimate`` count as held throughout:
+allocated afresh each step, every page was faulted in again, 27 ms for a 38 MB group on the
+2-core machine against 9 ms into kept buffers); bandwidth: one extra read and write of those
+bytes per speculated group, and on a rollback one more copy back before the serial update.
 ``offload.speculation_bytes`` bounds the buffers: a group whose copy does not fit waits for
-the norm and is updated by the step. The buffers are kept from the first step that takes them
-to the engine's end (a standing reservation of host memory, which the ledger and ``chunkmem
-estimate`` count as held throughout): allocated afresh each step, every page of them faulted
-in again on the update's thread, and that cost about three times the copy itself (27 ms for a
-38 MB group on the 2-core machine, against 7 ms for the copy into kept buffers). The results equal the serial step's bit for bit in every
+the norm and is updated by the step. The results equal the serial step's bit for bit in every
 case: a commit keeps exactly the serial step's arithmetic (coefficient 1), a rollback restores
 every bit and then runs it.
 """
