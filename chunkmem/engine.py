@@ -14,7 +14,6 @@ import dataclasses
 import enum
 import logging
 import math
-import sys
 import warnings
 import weakref
 from collections import Counter
@@ -28,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from chunkmem.chunk import ChunkKind
 from chunkmem.config import Config
 from chunkmem.errors import CollectiveError, EngineUsageError, TierDataError
+from chunkmem.eval_cycles import EvalCycles
 from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
@@ -73,29 +73,6 @@ class EnginePhase(enum.Enum):
     STOPPED = "stopped"
 
 
-def _eval_cycle_hooks(engine: Engine) -> list[Any]:
-    """Hooks on the root module that run every forward under no grad as an evaluation cycle,
-    whoever calls it. They hold the engine weakly: the model must not keep a dropped engine
-    (and its chunks) alive."""
-    engine_ref = weakref.ref(engine)
-
-    def before(module: torch.nn.Module, args: tuple) -> None:
-        live = engine_ref()
-        if live is not None and not torch.is_grad_enabled() and not live._closed:
-            live._begin_eval_cycle()
-
-    def after(module: torch.nn.Module, args: tuple, output: Any) -> None:
-        live = engine_ref()
-        if live is not None and live._eval_mode is not None:
-            # always_call: runs when the forward raised too, inside its except block
-            live._end_eval_cycle(sys.exc_info()[1])
-
-    return [
-        engine.module.register_forward_pre_hook(before, prepend=True),
-        engine.module.register_forward_hook(after, always_call=True),
-    ]
-
-
 def input_signature(args: tuple, kwargs: dict) -> Hashable:
     """Shapes and dtypes of the batch: traces are kept per signature."""
     flat, _ = tree_flatten((args, kwargs))
@@ -108,13 +85,6 @@ def input_signature(args: tuple, kwargs: dict) -> Hashable:
         else:
             parts.append(type(value).__name__)
     return tuple(parts)
-
-
-# The trace key every forward under no grad shares. A greedy decode calls the model once per
-# sequence length; a trace per input signature would record one per call (and record with a
-# zero chunk budget each time). The moments do not depend on the sequence length, and the
-# trace keeps the highest non-model peak it has seen at each moment.
-EVAL_TRACE = ("eval",)
 
 
 class Engine:
@@ -166,8 +136,7 @@ class Engine:
         self.lr_scheduler = lr_scheduler
         _ENGINE_OF[module] = weakref.ref(self)
         self._pack, self._unpack = make_saved_tensor_hooks(manager, activations, internal)
-        self._eval_mode: contextlib.ExitStack | None = None  # an open no-grad cycle's mode
-        self._root_hook_handles = _eval_cycle_hooks(self)
+        self.eval_cycles = EvalCycles(self)
 
     # ---------------------------------------------------------------- accessors
     @property
@@ -185,6 +154,11 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` gave the model back."""
+        return self._closed
 
     @property
     def training(self) -> bool:
@@ -206,7 +180,7 @@ class Engine:
     # ---------------------------------------------------------------- the three calls
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self._check_not_stopped()
-        self._abandon_interrupted_eval_cycle()
+        self.eval_cycles.abandon_interrupted()
         if self.phase is EnginePhase.FORWARD_DONE:
             raise EngineUsageError(
                 "forward called again before backward; call engine.backward(loss) first, or "
@@ -248,44 +222,6 @@ class Engine:
         self.tracer.begin_cycle(key)
         self.cycles_started += 1
         self.states.sharding.begin_cycle(self.cycles_started)
-
-    def _begin_eval_cycle(self) -> None:
-        """Before a forward of the model under no grad (``engine(...)``, ``model.generate``,
-        any call of the wrapped model): a cycle of its own under the shared evaluation trace,
-        which never touches gradients or optimizer states."""
-        self._check_not_stopped()
-        self._abandon_interrupted_eval_cycle()
-        if self.tracer.in_cycle:
-            raise EngineUsageError(
-                "a forward under no grad in the middle of a training cycle (a training "
-                "forward is waiting for engine.backward(), or gradient accumulation for "
-                "engine.step()); finish the cycle first, or call engine.discard()"
-            )
-        self._begin_cycle(EVAL_TRACE)
-        self._eval_mode = contextlib.ExitStack()
-        if not self.tracer.replaying:
-            self._eval_mode.enter_context(UnhookedAccessMode(self.manager, self.hooks))
-
-    def _abandon_interrupted_eval_cycle(self) -> None:
-        """A no-grad forward stopped by a ``BaseException`` (KeyboardInterrupt), which module
-        hooks do not see, leaves its cycle open."""
-        if self._eval_mode is not None:
-            self._end_eval_cycle(EngineUsageError("interrupted"))
-
-    def _end_eval_cycle(self, error: BaseException | None) -> None:
-        mode, self._eval_mode = self._eval_mode, None
-        try:
-            mode.close()
-            if error is None and not self.params.all_packed:
-                self.params.pack_remaining(self.residency.tiers.spill)
-        except BaseException as close_error:
-            error = close_error
-        if error is not None:
-            self._abort(error)
-            return
-        self.manager.reset_states()
-        self.residency.trace_nonmodel_peak()
-        self.tracer.end_cycle()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
@@ -632,10 +568,10 @@ class Engine:
         finally:
             self._closed = True
             self.hooks.detach()
-            for handle in [*self._grad_hook_handles, *self._root_hook_handles]:
+            for handle in self._grad_hook_handles:
                 handle.remove()
             self._grad_hook_handles.clear()
-            self._root_hook_handles.clear()
+            self.eval_cycles.remove_hooks()
             _ENGINE_OF.pop(self.module, None)
             self.residency.tiers.close()  # after the values were read from them
 

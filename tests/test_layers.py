@@ -20,6 +20,7 @@ OURS = ("chunkmem", "zero", "offload", "kernels")
 USER_SURFACE = (
     "chunkmem.api",
     "chunkmem.engine",
+    "chunkmem.eval_cycles",  # the engine's evaluation cycles
     "chunkmem.config_reference",
     "chunkmem.checkpoint",
     "chunkmem.cli",
