@@ -25,6 +25,8 @@ training (``gpu=False``: the simulated device, no host staging of a real device)
   model is built), worst one-process case without NVMe (the NVMe tier's staging buffers are
   not torch allocations). On the simulated device every chunk and activation is a CPU
   tensor, so the allocator is a measurement the engine does not make itself. Goal >= 0.95.
+  Every case runs with ``device.count_temporaries`` (operators' outputs counted while they
+  live, as CUDA's allocator sees them), and the estimate counts them by the same rule.
 - ``wire_bytes_ledger_vs_veth_ratio``: the ledger's cross-node bytes of the ZeRO++ case over
   the bytes the emulated cluster's veth pair transmitted in the same step
   (``benchmarks._wire_counters``); needs root and iproute2, otherwise reported as skipped.
@@ -161,7 +163,7 @@ def engine_config(case: dict[str, Any], nvme_directory: str | None = None) -> di
         zero["node_size"] = case["node"]
     return {
         "precision": "bf16",
-        "device": {"type": "simulated", "capacity": CAPACITY},
+        "device": {"type": "simulated", "capacity": CAPACITY, "count_temporaries": True},
         "zero": zero,
         "offload": offload,
     }
@@ -173,7 +175,7 @@ def measure(case: dict[str, Any], nvme_directory: str | None, allocator: bool) -
     end of the last step (``engine.close`` writes the weights back into the module: not
     training)."""
     gc.collect()  # an earlier case's garbage freed while profiled would offset the sum
-    profiler = _allocator_profiler() if allocator else contextlib.nullcontext()
+    profiler = allocator_profiler() if allocator else contextlib.nullcontext()
     with profiler:
         engine = _train(case, nvme_directory)
     ledger = engine.ledger
@@ -188,7 +190,7 @@ def measure(case: dict[str, Any], nvme_directory: str | None, allocator: bool) -
     }
     engine.close()
     if allocator:
-        result["allocator_peak"] = _allocator_peak(profiler)
+        result["allocator_peak"] = allocator_peak(profiler)
     return result
 
 
@@ -211,13 +213,13 @@ def _train(case: dict[str, Any], nvme_directory: str | None) -> Any:
     return engine
 
 
-def _allocator_profiler() -> torch.profiler.profile:
+def allocator_profiler() -> torch.profiler.profile:
     return torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
     )
 
 
-def _allocator_peak(profiler: torch.profiler.profile) -> int:
+def allocator_peak(profiler: torch.profiler.profile) -> int:
     """The most bytes live at once in torch's CPU allocator while profiled: the running sum of
     the profiler's allocation (+) and free (-) events in time order."""
     events = [e for e in profiler.profiler.kineto_results.events() if e.name() == "[memory]"]

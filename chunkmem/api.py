@@ -106,7 +106,9 @@ def initialize(
     if comm is None and config.zero.stage:
         comm = _join_world(config)
     local_rank = int(os.environ.get("LOCAL_RANK", comm.rank)) if comm else None
-    device, capacity = make_device(config.device.type, config.device.capacity, local_rank)
+    device, capacity = make_device(
+        config.device.type, config.device.capacity, local_rank, config.device.count_temporaries
+    )
     compute_dtype = COMPUTE_DTYPES[config.precision]
     mixed = config.precision != "fp32"
     world_size = comm.size if comm else 1

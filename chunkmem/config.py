@@ -148,6 +148,14 @@ class DeviceConfig(_Section):
         description="Bytes the engine may use on the device. Required for the simulated device; "
         "on CUDA defaults to 90% of the memory free at initialize.",
     )
+    count_temporaries: bool = Field(
+        False,
+        description="Simulated device: count every operator output of a forward and backward "
+        "while it lives, as CUDA's allocator does (an output before it is saved, the logits' "
+        "gradient, backward's intermediates), not only the tensors saved for backward and "
+        "the gradients being stored. Costs a Python call per operator. Ignored on CUDA, "
+        "where the allocator counts them always.",
+    )
 
 
 class HostConfig(_Section):

@@ -6,8 +6,9 @@ memory), so placement, eviction, prefetch and tracing run the same code on eithe
 [Note: simulated device] On machines without a GPU the "device" is host memory with a
 capacity enforced by the ledger. Its non-model memory cannot be read from an allocator, so it
 is the bytes of tensors autograd saves for backward plus gradients in flight, counted exactly
-by the saved-tensor and gradient hooks. Temporaries that live inside one operator are not
-counted; on CUDA the allocator's own statistics include them.
+by the saved-tensor and gradient hooks, and with ``device.count_temporaries`` every operator
+output of a forward and backward while it lives (chunkmem/temporaries.py); on CUDA the
+allocator's own statistics include them.
 """
 
 from __future__ import annotations
@@ -18,64 +19,8 @@ import warnings
 import torch
 
 from chunkmem.errors import CapacityError
-
-
-class NonModelMeter:
-    """Current and peak non-model bytes on the device since the last ``reset_peak``.
-
-    The hooks report every saved activation and in-flight gradient with ``add``/``remove``;
-    the simulated device uses those counts as its measurement. ``accounted_bytes`` is what the
-    ledger holds on the device (chunks and workspaces); a meter that measures all device
-    memory subtracts it.
-    """
-
-    def __init__(self) -> None:
-        self._counted = 0
-        self._peak = 0
-
-    def add(self, nbytes: int) -> None:
-        self._counted += nbytes
-        self._peak = max(self._peak, self._counted)
-
-    def remove(self, nbytes: int) -> None:
-        self._counted -= nbytes
-
-    def current(self, accounted_bytes: int) -> int:
-        return self._counted
-
-    def peak(self, accounted_bytes: int) -> int:
-        return self._peak
-
-    def reset_peak(self, accounted_bytes: int) -> None:
-        self._peak = self.current(accounted_bytes)
-
-
-class CudaAllocatorMeter(NonModelMeter):
-    """Non-model bytes = bytes the CUDA caching allocator has allocated minus the ledger's
-    chunks and workspaces (which the allocator holds too: counting them as non-model memory
-    as well would count them twice).
-
-    It reads the allocator's nested statistics: ``torch.cuda.memory_allocated`` flattens and
-    sorts every statistic on each call, and the engine asks at every saved tensor.
-    ``reset_peak`` resets the peaks of ``torch.cuda.max_memory_allocated`` too: the allocator
-    keeps one peak per device.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self._device = device
-
-    def _allocated(self) -> dict[str, int]:
-        return torch.cuda.memory_stats_as_nested_dict(self._device)["allocated_bytes"]["all"]
-
-    def current(self, accounted_bytes: int) -> int:
-        return max(0, self._allocated()["current"] - accounted_bytes)
-
-    def peak(self, accounted_bytes: int) -> int:
-        return max(0, self._allocated()["peak"] - accounted_bytes)
-
-    def reset_peak(self, accounted_bytes: int) -> None:
-        torch.cuda.reset_peak_memory_stats(self._device)
+from chunkmem.meters import CudaAllocatorMeter, NonModelMeter, OperatorOutputMeter
+from chunkmem.temporaries import uncounted
 
 
 class ComputeDevice(abc.ABC):
@@ -128,14 +73,17 @@ class SimulatedDevice(ComputeDevice):
     kind = "simulated"
     _KEEP_PER_SIZE = 2
 
-    def __init__(self) -> None:
+    def __init__(self, count_temporaries: bool = False) -> None:
         self.torch_device = torch.device("cpu")
-        self.meter = NonModelMeter()
+        self.meter = OperatorOutputMeter() if count_temporaries else NonModelMeter()
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         cached = self._free.get((numel, dtype))
-        return cached.pop() if cached else torch.empty(numel, dtype=dtype)
+        if cached:
+            return cached.pop()
+        with uncounted():
+            return torch.empty(numel, dtype=dtype)
 
     def host_empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return self.empty(numel, dtype)
@@ -148,7 +96,8 @@ class SimulatedDevice(ComputeDevice):
             cached.append(buffer)
 
     def to_device(self, host: torch.Tensor) -> tuple[torch.Tensor, object | None]:
-        return host.clone(), None
+        with uncounted():
+            return host.clone(), None
 
     def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:
         host.copy_(device_tensor)
@@ -245,11 +194,12 @@ def _only_reference(buffer: torch.Tensor) -> bool:
 
 
 def make_device(
-    kind: str, capacity: int | None, local_rank: int | None = None
+    kind: str, capacity: int | None, local_rank: int | None = None, count_temporaries: bool = False
 ) -> tuple[ComputeDevice, int]:
     """Build the configured device and resolve its capacity in bytes.
 
-    ``local_rank`` picks the GPU of a data-parallel process (torchrun's LOCAL_RANK).
+    ``local_rank`` picks the GPU of a data-parallel process (torchrun's LOCAL_RANK);
+    ``count_temporaries`` gives the simulated device the meter of operators' outputs.
     """
     if kind == "auto":
         kind = "cuda" if torch.cuda.is_available() else "simulated"
@@ -259,7 +209,7 @@ def make_device(
                 "the simulated device needs a capacity: set device.capacity in the config "
                 '(e.g. "512MiB"); it is the budget chunks and activations must fit in'
             )
-        return SimulatedDevice(), capacity
+        return SimulatedDevice(count_temporaries), capacity
     device = CudaDevice(local_rank)
     free = device.free_bytes()
     if capacity is None:

@@ -207,7 +207,7 @@ class Engine:
                     if recording
                     else contextlib.nullcontext()
                 )
-                with mode:
+                with mode, self.residency.device.meter.counting():
                     output = self.module(*args, **kwargs)
             if not self.params.all_packed:
                 self.params.pack_remaining(self.residency.tiers.spill)
@@ -245,7 +245,10 @@ class Engine:
             self.manager.begin_backward()
             self.hooks.in_backward = True
             try:
-                with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                with (
+                    torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack),
+                    self.residency.device.meter.counting(),
+                ):
                     (loss * factor if factor != 1.0 else loss).backward()
             finally:
                 self.grads.accepting = False

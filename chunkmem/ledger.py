@@ -201,6 +201,15 @@ class Ledger:
         self.device.nonmodel = nbytes
         self.device._update_peak()
 
+    def note_nonmodel_peak(self, nbytes: int) -> None:
+        """The meter's highest non-model bytes since the last sample, reached beside the
+        chunks and workspaces held now (the residency reads it before any of them changes):
+        an operator's output that came and went between samples still raises the peak."""
+        account = self.device
+        reached = account.model_bytes + account.workspace_bytes + nbytes
+        account.peak = max(account.peak, reached)
+        account.iteration_peak = max(account.iteration_peak, reached)
+
     def overflow(self, tier: str = "device") -> int:
         """Bytes by which the tier is over capacity right now (0 if within)."""
         available = self.tiers[tier].available

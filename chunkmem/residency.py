@@ -481,9 +481,16 @@ class Residency:
         at that moment. The peak is the allocator's minus the ledger's device bytes, so it is
         read before and restarted after every change of those (a chunk allocated, freed or
         moved, a workspace), when the allocator and the ledger agree, and at every moment.
-        The simulated device counts only what the hooks sample, so this adds nothing there.
+        The simulated device's default meter counts only what the hooks sample, so this adds
+        nothing there; with ``device.count_temporaries`` it counts operators' outputs too. The
+        ledger's device peak takes such a meter's peak as well: the peak the report gives is
+        the one the memory reached.
         """
-        self.tracer.on_nonmodel(self.device.meter.peak(self.accounted_device_bytes()))
+        meter = self.device.meter
+        peak = meter.peak(self.accounted_device_bytes())
+        self.tracer.on_nonmodel(peak)
+        if meter.measures_between_samples:
+            self.ledger.note_nonmodel_peak(peak)
 
     def _restart_nonmodel_peak(self) -> None:
         self.device.meter.reset_peak(self.accounted_device_bytes())

@@ -53,7 +53,9 @@ class ActivationCounter:
 
     def hold(self, tensor: torch.Tensor) -> _SavedActivation:
         storage = tensor.untyped_storage()
-        storage_key, nbytes = storage.data_ptr(), storage.nbytes()
+        # An operator's output the meter counts already while it lives: held, not recounted.
+        nbytes = 0 if self._meter.counts(storage) else storage.nbytes()
+        storage_key = storage.data_ptr()
         key = next(self._keys)
         self._tensors[key] = tensor
         entry = self._storages.get(storage_key)

@@ -229,7 +229,7 @@ def test_estimate_prints_a_table_and_json(capsys: pytest.CaptureFixture) -> None
     result = json.loads(capsys.readouterr().out)
     assert result["world_size"] == 4 and result["wire"]["cross_node_bytes_per_rank"] > 0
     assert result["fits_on_device"] is None  # no device memory given
-    assert main([*argv, "--device-memory", "4MiB", "--max-model", "layers", "--json"]) == 0
+    assert main([*argv, "--device-memory", "16MiB", "--max-model", "layers", "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
     assert 1 <= found["largest_on_device"] <= found["largest_that_trains"]
 

@@ -26,6 +26,9 @@ def config(**sections: Any) -> dict[str, Any]:
     return {"device": {"type": "simulated", "capacity": CAPACITY}, **sections}
 
 
+TEMPORARIES = {"type": "simulated", "capacity": CAPACITY, "count_temporaries": True}
+
+
 @dataclass(frozen=True)
 class Measured:
     """A run's ledgers: peak bytes of each tier (0 where the tier is absent) and, on a
@@ -95,8 +98,12 @@ def predict(
             ModelSettings(**SMALL, checkpointing=True),
             config(precision="bf16", gradient_accumulation_steps=2),
         ),
+        (
+            ModelSettings(**SMALL, checkpointing=True),
+            config(precision="bf16", device=TEMPORARIES, offload={"optimizer": "host"}),
+        ),
     ],
-    ids=["fp32-checkpointing", "bf16", "bf16-host-offload", "bf16-accumulation"],
+    ids=["fp32-checkpointing", "bf16", "bf16-host-offload", "bf16-accumulation", "temporaries"],
 )
 def test_estimate_is_the_ledger_peak_in_one_process(
     model: ModelSettings, engine_config: dict[str, Any]
@@ -106,7 +113,7 @@ def test_estimate_is_the_ledger_peak_in_one_process(
     assert abs(predicted - measured) <= 0.005 * measured, (predicted, measured)
 
 
-def _rank(comm, stage: int, accumulation: int) -> Measured:
+def _rank(comm, stage: int, accumulation: int, device: dict[str, Any]) -> Measured:
     model = ModelSettings(**SMALL, checkpointing=True)
     return measure(
         model,
@@ -114,6 +121,7 @@ def _rank(comm, stage: int, accumulation: int) -> Measured:
             precision="bf16",
             gradient_accumulation_steps=accumulation,
             zero={"stage": stage, "timeout_s": 60},
+            device=device,
         ),
         batch=4,
         comm=comm,
@@ -122,15 +130,24 @@ def _rank(comm, stage: int, accumulation: int) -> Measured:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("stage", "accumulation"), [(1, 1), (2, 2), (3, 1)])
-def test_estimate_is_the_ledger_under_zero_on_two_ranks(stage: int, accumulation: int) -> None:
+@pytest.mark.parametrize(
+    ("stage", "accumulation", "device"),
+    [(1, 1, config()["device"]), (2, 2, config()["device"]), (3, 1, TEMPORARIES)],
+    ids=["zero1", "zero2-accumulation", "zero3-temporaries"],
+)
+def test_estimate_is_the_ledger_under_zero_on_two_ranks(
+    stage: int, accumulation: int, device: dict[str, Any]
+) -> None:
     """On gloo ranks, not the in-process world: the peak depends on when reductions and
     prefetched gathers complete, which over gloo's background exchange is at once, as on a
     fast network, while a thread's collective completes only when its peer gets the GIL."""
-    results = run_ranks(_rank, 2, stage, accumulation, timeout_s=60, deadline_s=240)
+    results = run_ranks(_rank, 2, stage, accumulation, device, timeout_s=60, deadline_s=240)
     model = ModelSettings(**SMALL, checkpointing=True)
     engine_config = config(
-        precision="bf16", gradient_accumulation_steps=accumulation, zero={"stage": stage}
+        precision="bf16",
+        gradient_accumulation_steps=accumulation,
+        zero={"stage": stage},
+        device=device,
     )
     predicted = predict(model, engine_config, batch=4, world=2)
     for measured in results:

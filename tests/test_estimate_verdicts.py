@@ -133,7 +133,7 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
 # models, chunkmem/sizing.py, offload/).
 MODELLED = {
     "precision", "gradient_accumulation_steps", "gradient_clipping", "nonfinite",
-    "device.type", "device.capacity", "host.capacity", "chunk.size",
+    "device.type", "device.capacity", "device.count_temporaries", "host.capacity", "chunk.size",
     "chunk.max_fraction_of_capacity", "placement.unit_elements", "zero.stage", "zero.backend",
     "zero.transport", "zero.node_size", "zero.quantized_weights",
     "zero.quantized_weights_block_size", "zero.hpz_partition_size", "zero.quantized_gradients",

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from chunkmem.errors import CollectiveError
+from chunkmem.temporaries import uncounted
 from zero.comm_ledger import (
     CollectiveRecord,
     CommLedger,
@@ -484,7 +485,8 @@ class Communicator:
         identity = self._identity(op, group, numel, tensor.dtype)
         launched_at = time.monotonic()
         try:
-            work = start(identity)
+            with uncounted():  # the transport's own buffers: see chunkmem/temporaries.py
+                work = start(identity)
         except RuntimeError as cause:  # a peer gone before the launch: ask the others, too
             reason = self._explain(identity, group, cause)
             raise self._failed(_failure(op, group, launched_at, reason)) from cause
@@ -503,7 +505,8 @@ class Communicator:
         """A blocking exchange of the transport's, bounded by the group's timeout."""
         launched_at = time.monotonic()
         try:
-            return run(timedelta(seconds=group.timeout_s))
+            with uncounted():
+                return run(timedelta(seconds=group.timeout_s))
         except RuntimeError as cause:
             reason = self._explain(identity, group, cause)
             raise self._failed(_failure(op, group, launched_at, reason)) from cause
@@ -520,7 +523,8 @@ class Communicator:
         is final]: after a failure, a wait is not given a second timeout)."""
         timeout_s = group.timeout_s if self.failed is None else AFTER_FAILURE_S
         try:
-            work.wait(timedelta(seconds=timeout_s))
+            with uncounted():
+                work.wait(timedelta(seconds=timeout_s))
             return None
         except RuntimeError as cause:
             if self.failed is not None:

@@ -134,7 +134,9 @@ def estimate(
     # copies them, as in a real step.
     rows = torch.zeros(batch, model.seq + 1, dtype=torch.long, device="meta")
     inputs = (rows[:, :-1], rows[:, 1:])
-    trace = trace_model(net, inputs, sizes.largest if unit == "chunk" else unit, gpu)
+    unit_elements = sizes.largest if unit == "chunk" else unit
+    temporaries = gpu or config.device.count_temporaries  # what the target's meter counts
+    trace = trace_model(net, inputs, unit_elements, gpu, temporaries)
     packed = pack_layouts(params, trace, sizes, alignment)
     masters_on_device = masters_start_on_device(
         config, capacity, dtype, trainable_numels, frozen_numels, world_size

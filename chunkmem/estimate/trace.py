@@ -9,13 +9,16 @@ parameter are not counted, the engine stores those as tokens), and each paramete
 gradient as autograd finishes it. The order parameters are first accessed in is the order
 the engine packs them into chunks.
 
-What the trace cannot see: memory that lives only inside an operator (an output before it
-is saved, the logits' gradient). The simulated device does not count it either; on CUDA the
-allocator does (docs/cli.md, "What the estimate leaves out").
+With ``temporaries`` (a CUDA target, whose allocator sees them, or a simulated device with
+``device.count_temporaries``) every operator output also counts while it lives, by the same
+rule as the engine's meter (chunkmem/temporaries.py): an output before it is saved, the
+logits' gradient, backward's intermediates. Without, only what the hooks count, as the
+default simulated device does.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from chunkmem.hooks import plan_units
+from chunkmem.temporaries import LiveStorages, OutputCounting
 
 # Events, in the order they happen:
 #   ("moment", phase, unit)  a unit's pre-forward ("fwd") or pre-backward ("bwd"); a
@@ -73,9 +77,11 @@ class _FusedAttention(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
         dropout = args[4] if len(args) > 4 else kwargs.get("dropout_p", 0.0)
         fused = self.gpu or not dropout
-        if func is F.scaled_dot_product_attention and fused and not kwargs.get("enable_gqa"):
+        if fused and not kwargs.get("enable_gqa"):
             try:
                 return _flash(*args, **kwargs)
             except (RuntimeError, TypeError, NotImplementedError):
@@ -164,6 +170,7 @@ class _Recorder:
     def __init__(self, trace: ModelTrace, params: Sequence[torch.nn.Parameter]) -> None:
         self.trace = trace
         self.events = trace.events
+        self.outputs = LiveStorages(lambda delta: self.events.append(("act", delta)))
         self.param_storages = {p.untyped_storage()._cdata for p in params}
         self.tensors: dict[int, torch.Tensor] = {}
         self.storages: dict[int, list[int]] = {}  # storage -> [references, nbytes]
@@ -184,8 +191,10 @@ class _Recorder:
         self.tensors[key] = tensor
         entry = self.storages.get(storage_key)
         if entry is None:
-            self.storages[storage_key] = [1, storage.nbytes()]
-            self.events.append(("act", storage.nbytes()))
+            nbytes = 0 if storage in self.outputs else storage.nbytes()  # counted while it lives
+            self.storages[storage_key] = [1, nbytes]
+            if nbytes:
+                self.events.append(("act", nbytes))
         else:
             entry[0] += 1
         return _Saved(key, self)
@@ -202,7 +211,8 @@ class _Recorder:
         entry[0] -= 1
         if entry[0] == 0:
             del self.storages[storage_key]
-            self.events.append(("act", -entry[1]))
+            if entry[1]:
+                self.events.append(("act", -entry[1]))
 
     # backward
     def pre_backward(self, call: _Call) -> None:
@@ -229,10 +239,12 @@ def trace_model(
     inputs: Sequence[torch.Tensor],
     max_unit_elements: int,
     gpu: bool = True,
+    temporaries: bool = False,
 ) -> ModelTrace:
     """Run ``model(*inputs)`` (the loss) and its backward on the meta device under the
     engine's units of at most ``max_unit_elements`` parameter elements; ``gpu``: attention
-    as a GPU runs it (else as a CPU does, for the simulated device)."""
+    as a GPU runs it (else as a CPU does, for the simulated device); ``temporaries``: every
+    operator output counts while it lives."""
     named = list(model.named_parameters())
     params = list(dict.fromkeys(p for _n, p in named))
     names = {}
@@ -299,7 +311,9 @@ def trace_model(
     def grad_done(param: torch.nn.Parameter) -> None:
         grad = param.grad
         if grad is not None:
-            trace.events.append(("grad", index[id(param)], grad.nelement() * grad.element_size()))
+            counted = grad.untyped_storage() in recorder.outputs  # while it lives
+            in_flight = 0 if counted else grad.nelement() * grad.element_size()
+            trace.events.append(("grad", index[id(param)], in_flight))
             param.grad = None
 
     handles = []
@@ -313,6 +327,7 @@ def trace_model(
         with (
             _FusedAttention(gpu),
             torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack),
+            OutputCounting(recorder.outputs) if temporaries else contextlib.nullcontext(),
         ):
             loss = model(*inputs)
             recorder.in_backward = True
