@@ -119,7 +119,14 @@ class TorchTransport:
         if self._use_ring(group):
             ring = _ring_for(full)
             return ring(
-                full, shard, group.ranks, group.rank, group.process_group, False, identity.tag()
+                full,
+                shard,
+                group.ranks,
+                group.rank,
+                group.process_group,
+                False,
+                identity.tag(),
+                group.timeout_s,
             )
         return self._builtin(
             identity,
@@ -134,7 +141,14 @@ class TorchTransport:
         if self._use_ring(group):
             ring = _ring_for(full)
             return ring(
-                full, shard, group.ranks, group.rank, group.process_group, True, identity.tag()
+                full,
+                shard,
+                group.ranks,
+                group.rank,
+                group.process_group,
+                True,
+                identity.tag(),
+                group.timeout_s,
             )
         return self._builtin(
             identity,
