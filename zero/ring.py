@@ -13,20 +13,13 @@ host copies (`HostStagedRing`): the CUDA path is NCCL's, and gloo with CUDA tens
 testing several ranks on one GPU.
 
 A launched ring issues its first step at once (with 2 ranks that is the whole exchange, so it
-overlaps with whatever the caller does next). [Note: rings progress in the background] Each
-further step needs the segment the step before received, so with more ranks a thread of the
-ring's own waits for each step and issues the next: a gather prefetched a unit ahead then
-crosses the link while the unit computes. Run in ``wait`` instead, a 4-rank ring sent only
-its first third in the background (ZeRO++ on 2 nodes x 2 at 200 Mbit/s: the forward's
-world gathers blocked 0.46 s of a 1.1 s step). ``wait`` joins the thread within its timeout
-and raises what the thread met. Each ring sends under its own tag: with several rings in
-flight, ranks may finish them in different orders, and untagged messages between the same
-pair would be matched to the wrong ring.
+overlaps with whatever the caller does next); further steps run in ``wait``. Each ring sends
+under its own tag: with several rings in flight, ranks may finish them in different orders,
+and untagged messages between the same pair would be matched to the wrong ring.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from datetime import timedelta
 
@@ -48,7 +41,6 @@ class RingWork:
         process_group: object,
         reduce: bool,
         tag: int,
-        timeout_s: float,
     ) -> None:
         self._full = full
         self._shard = shard
@@ -69,23 +61,6 @@ class RingWork:
             if own.data_ptr() != shard.data_ptr():
                 own.copy_(shard)
         self._works = self._launch_step() if self._steps else []
-        self._failure: BaseException | None = None
-        self._progress: threading.Thread | None = None
-        if self._steps > 1:
-            self._progress = threading.Thread(
-                target=self._run_remaining,
-                args=(time.monotonic() + timeout_s,),
-                name=f"ring-{tag}",
-                daemon=True,  # a peer that never answers must not keep the process alive
-            )
-            self._progress.start()
-
-    def _run_remaining(self, deadline: float) -> None:
-        try:
-            while self._step < self._steps:
-                self._finish_step(deadline)
-        except BaseException as error:  # handed to ``wait``, on the caller's thread
-            self._failure = error
 
     def _segment(self, tensor: torch.Tensor, index: int) -> torch.Tensor:
         index %= len(self._ranks)
@@ -129,17 +104,6 @@ class RingWork:
     def wait(self, timeout: timedelta) -> bool:
         """Finish every remaining step within ``timeout`` in total, not per step: a peer that
         dies mid-ring must not stretch the wait to one timeout per step."""
-        if self._progress is not None:
-            self._progress.join(timeout.total_seconds())
-            if self._progress.is_alive():
-                raise RuntimeError(
-                    f"ring step {self._step + 1} of {self._steps} did not finish in time"
-                )
-            if isinstance(self._failure, RuntimeError):
-                raise self._failure
-            if self._failure is not None:
-                raise RuntimeError(f"ring step failed: {self._failure!r}") from self._failure
-            return True
         deadline = time.monotonic() + timeout.total_seconds()
         while self._step < self._steps:
             self._finish_step(deadline)
@@ -148,10 +112,11 @@ class RingWork:
         return True
 
     def is_completed(self) -> bool:
-        """True once ``wait`` would not block: the last step's messages arrived."""
-        if self._progress is not None:
-            return not self._progress.is_alive()
-        return self._step >= self._steps or all(w.is_completed() for w in self._works)
+        """True once ``wait`` would not block: the last step's messages arrived. Earlier steps
+        done are not enough, since the next ones are launched only in ``wait``."""
+        if self._step >= self._steps:
+            return True
+        return self._step == self._steps - 1 and all(w.is_completed() for w in self._works)
 
 
 class HostStagedRing:
@@ -168,15 +133,12 @@ class HostStagedRing:
         process_group: object,
         reduce: bool,
         tag: int,
-        timeout_s: float,
     ) -> None:
         self._target = shard if reduce else full
         host_full = full.cpu()
         host_shard = torch.empty_like(shard, device="cpu") if reduce else shard.cpu()
         self._result = host_shard if reduce else host_full
-        self._ring = RingWork(
-            host_full, host_shard, ranks, rank, process_group, reduce, tag, timeout_s
-        )
+        self._ring = RingWork(host_full, host_shard, ranks, rank, process_group, reduce, tag)
 
     def wait(self, timeout: timedelta) -> bool:
         self._ring.wait(timeout)

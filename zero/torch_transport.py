@@ -119,14 +119,7 @@ class TorchTransport:
         if self._use_ring(group):
             ring = _ring_for(full)
             return ring(
-                full,
-                shard,
-                group.ranks,
-                group.rank,
-                group.process_group,
-                False,
-                identity.tag(),
-                group.timeout_s,
+                full, shard, group.ranks, group.rank, group.process_group, False, identity.tag()
             )
         return self._builtin(
             identity,
@@ -141,14 +134,7 @@ class TorchTransport:
         if self._use_ring(group):
             ring = _ring_for(full)
             return ring(
-                full,
-                shard,
-                group.ranks,
-                group.rank,
-                group.process_group,
-                True,
-                identity.tag(),
-                group.timeout_s,
+                full, shard, group.ranks, group.rank, group.process_group, True, identity.tag()
             )
         return self._builtin(
             identity,
