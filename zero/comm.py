@@ -40,7 +40,7 @@ import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -55,6 +55,7 @@ from zero.comm_ledger import (
 )
 from zero.identity import CollectiveIdentity, MismatchError
 from zero.process_group import Group, init_world
+from zero.transport import Transport, Work
 
 if TYPE_CHECKING:
     from zero.topology import Topology
@@ -78,71 +79,6 @@ _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
 # How long a wait lasts once a collective of this communicator has failed: enough for work
 # that already completed to be collected, never a second timeout (see the first note).
 AFTER_FAILURE_S = 0.05
-
-
-class Work(Protocol):
-    """A launched collective as a transport returns it (torch's ``Work`` has this shape)."""
-
-    def wait(self, timeout: timedelta) -> bool:
-        """Return once complete; raise ``RuntimeError`` on a failure or after ``timeout``."""
-        ...
-
-    def is_completed(self) -> bool: ...
-
-
-class Transport(Protocol):
-    """How a :class:`Communicator`'s collectives move bytes: over torch.distributed
-    (``zero.torch_transport``) or between the threads of one process (``zero.thread_world``).
-
-    The communicator validates the buffers, numbers every collective (its identity), records
-    its volume and bounds every wait by the group's timeout; a transport only moves the bytes
-    under that identity and says, after a timeout, where the peers are. Results must be the
-    same on every transport, bit for bit: a reduce-scatter sums the ranks in the ring's order
-    (``zero.ring``)."""
-
-    def create_group(self, world: Group, name: str, ranks: Sequence[int]) -> Group: ...
-
-    def check_sendable(self, op: str, name: str, tensor: Tensor, group: Group) -> None:
-        """Raise ``TypeError`` for a dtype this transport cannot send."""
-        ...
-
-    def all_gather(
-        self, full: Tensor, shard: Tensor, group: Group, identity: CollectiveIdentity
-    ) -> Work: ...
-
-    def reduce_scatter(
-        self, full: Tensor, shard: Tensor, group: Group, identity: CollectiveIdentity
-    ) -> Work: ...
-
-    def all_reduce(
-        self, tensor: Tensor, op: str, group: Group, identity: CollectiveIdentity
-    ) -> Work: ...
-
-    def broadcast(
-        self, tensor: Tensor, src: int, group: Group, identity: CollectiveIdentity
-    ) -> Work: ...
-
-    def all_to_all(
-        self, send: list[Tensor], received: list[Tensor], group: Group, identity: CollectiveIdentity
-    ) -> Work: ...
-
-    def gather_bytes(
-        self, payload: bytes, group: Group, identity: CollectiveIdentity, timeout: timedelta
-    ) -> list[bytes]:
-        """Blocking: every member's ``payload`` in group-rank order."""
-        ...
-
-    def agree(self, identity: CollectiveIdentity, group: Group, timeout: timedelta) -> None:
-        """Blocking: return once every member is at ``identity``; raise if one is elsewhere."""
-        ...
-
-    def explain(self, identity: CollectiveIdentity, group: Group, cause: str) -> str:
-        """After a failed wait: ``cause``, with where the peers are where they can be asked."""
-        ...
-
-    def checkpoint_group(self) -> object:
-        """The process group ``torch.distributed.checkpoint`` coordinates on (made once)."""
-        ...
 
 
 def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
