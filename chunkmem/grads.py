@@ -80,7 +80,7 @@ class GradStore:
         self.reducer.before_write(slot.layout)
         residency = self.residency
         meter = residency.device.meter
-        counted = meter.counts(grad.untyped_storage())  # an operator's output, while it lives
+        counted = meter.counts(grad)  # an operator's output, while it lives
         nbytes = 0 if counted else grad.nelement() * grad.element_size()
         meter.add(nbytes)
         try:

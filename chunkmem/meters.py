@@ -45,8 +45,8 @@ class NonModelMeter:
     def reset_peak(self, accounted_bytes: int) -> None:
         self._peak = self.current(accounted_bytes)
 
-    def counts(self, storage: torch.UntypedStorage) -> bool:
-        """Whether ``storage``'s bytes are counted already (so a hook must not add them)."""
+    def counts(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is counted already (so a hook must not add its bytes)."""
         return False
 
     def counting(self) -> AbstractContextManager[None]:
@@ -103,8 +103,8 @@ class OperatorOutputMeter(NonModelMeter):
         else:
             self.remove(-delta)
 
-    def counts(self, storage: torch.UntypedStorage) -> bool:
-        return storage in self._outputs
+    def counts(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage() in self._outputs
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[None]:

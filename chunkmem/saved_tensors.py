@@ -54,7 +54,7 @@ class ActivationCounter:
     def hold(self, tensor: torch.Tensor) -> _SavedActivation:
         storage = tensor.untyped_storage()
         # An operator's output the meter counts already while it lives: held, not recounted.
-        nbytes = 0 if self._meter.counts(storage) else storage.nbytes()
+        nbytes = 0 if self._meter.counts(tensor) else storage.nbytes()
         storage_key = storage.data_ptr()
         key = next(self._keys)
         self._tensors[key] = tensor
