@@ -12,6 +12,9 @@ Every function returns 0 on success (codes in quant_math.h, `Status`).
                    out, out_dtype)
     dequant_reduce_requant(q[], scales[], offsets[], count, numel, bits, group_size, symmetric,
                            q_out, scales_out, offsets_out)
+    onebit_compress(x, numel, block, codes, scales, residual)
+    ternary_compress(x, numel, block, seed, codes, scales)
+    decompress_sum(codes[], scales[], count, numel, block, ternary, out, out_dtype)
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ _SIGNATURES = {
     "swizzled_quantize": [_ptr, _i32, _i64, _i64, _i64, _i64, _i32, _i64, _i32, _ptr, _ptr, _ptr],
     "dequant_reduce": [_ptrs, _ptrs, _ptrs, _i32, _i64, _i32, _i64, _i32, _ptr, _i32],
     "dequant_reduce_requant": [_ptrs, _ptrs, _ptrs, _i32, _i64, _i32, _i64, _i32, _ptr, _ptr, _ptr],
+    "onebit_compress": [_ptr, _i64, _i64, _ptr, _ptr, _ptr],
+    "ternary_compress": [_ptr, _i64, _i64, _i64, _ptr, _ptr],
+    "decompress_sum": [_ptrs, _ptrs, _i32, _i64, _i64, _i32, _ptr, _i32],
 }
 
 
@@ -242,6 +248,60 @@ class NativeKernels:
             _addr(out.offsets),
         )
         return out
+
+    def onebit_compress(
+        self,
+        x: torch.Tensor,
+        block: int,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> None:
+        self._call(
+            "onebit_compress",
+            x.device,
+            _addr(x),
+            x.numel(),
+            block,
+            _addr(codes),
+            _addr(scales),
+            _addr(residual),
+        )
+
+    def ternary_compress(
+        self, x: torch.Tensor, block: int, seed: int, codes: torch.Tensor, scales: torch.Tensor
+    ) -> None:
+        self._call(
+            "ternary_compress",
+            x.device,
+            _addr(x),
+            x.numel(),
+            block,
+            seed,
+            _addr(codes),
+            _addr(scales),
+        )
+
+    def decompress_sum(
+        self,
+        codes: Sequence[torch.Tensor],
+        scales: Sequence[torch.Tensor],
+        block: int,
+        ternary: bool,
+        out: torch.Tensor,
+    ) -> None:
+        self._call(
+            "decompress_sum",
+            out.device,
+            _addr_array(list(codes)),
+            _addr_array(list(scales)),
+            len(codes),
+            out.numel(),
+            block,
+            int(ternary),
+            _addr(out),
+            DTYPE_CODES[out.dtype],
+        )
 
 
 def _cpu_identity() -> str:

@@ -370,3 +370,105 @@ int cmq_cpu_dequant_reduce_requant(const uint8_t* const* q, const float* const* 
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------- gradient compression codes
+// The 1-bit and ternary codes of zero/compression (pack_math.h; the spec is
+// kernels/compression_reference.py). One block per iteration, blocks in parallel.
+
+#include "pack_math.h"
+
+namespace {
+
+// The block's pairwise |x| sum in the spec's order (a[i] += a[i + h], h = block/2 .. 1).
+float pairwise_abs_sum(const float* x, int64_t block) {
+  float a[cmq::kMaxCodeBlock];
+  for (int64_t i = 0; i < block; ++i) a[i] = cmq::magnitude(x[i]);
+  for (int64_t h = block / 2; h >= 1; h /= 2)
+    for (int64_t i = 0; i < h; ++i) a[i] = a[i] + a[i + h];
+  return a[0];
+}
+
+template <class Body>
+void for_blocks(int64_t numel, int64_t block, Body body) {
+  const int64_t blocks = numel / block;
+#pragma omp parallel for schedule(static) if (numel >= kParallelMinNumel)
+  for (int64_t b = 0; b < blocks; ++b) body(b);
+}
+
+template <class Out>
+void decoded_sum(const uint8_t* const* codes, const float* const* scales, int count, int64_t numel,
+                 int64_t block, bool ternary, typename Out::Raw* out) {
+  for_blocks(numel, block, [&](int64_t b) {
+    for (int64_t i = b * block; i < (b + 1) * block; ++i) {
+      float acc = 0.0f;
+      for (int k = 0; k < count; ++k) {
+        const float v = ternary ? cmq::ternary_value(cmq::ternary_field(codes[k], i), scales[k][b])
+                                : cmq::onebit_value(cmq::onebit_field(codes[k], i), scales[k][b]);
+        acc = k == 0 ? v : acc + v;
+      }
+      out[i] = Out::store(acc);
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+// codes: numel/8 bytes, scales: numel/block; residual (may be x itself, or null): x - value.
+int cmq_cpu_onebit_compress(const float* x, int64_t numel, int64_t block, uint8_t* codes,
+                            float* scales, float* residual) {
+  if (!cmq::valid_code_layout(numel, block)) return cmq::kBadArgument;
+  for_blocks(numel, block, [&](int64_t b) {
+    const float* xb = x + b * block;
+    const float scale = pairwise_abs_sum(xb, block) / static_cast<float>(block);
+    scales[b] = scale;
+    uint8_t* cb = codes + b * block / 8;
+    for (int64_t j = 0; j < block / 8; ++j) {
+      uint32_t byte = 0;
+      for (int k = 0; k < 8; ++k) byte |= static_cast<uint32_t>(xb[8 * j + k] < 0.0f) << k;
+      cb[j] = static_cast<uint8_t>(byte);
+    }
+    if (residual != nullptr) {
+      float* rb = residual + b * block;
+      for (int64_t i = 0; i < block; ++i) rb[i] = xb[i] - cmq::onebit_value(xb[i] < 0.0f, scale);
+    }
+  });
+  return cmq::kOk;
+}
+
+// codes: numel/4 bytes, scales: numel/block; uniforms drawn under `seed`.
+int cmq_cpu_ternary_compress(const float* x, int64_t numel, int64_t block, int64_t seed,
+                             uint8_t* codes, float* scales) {
+  if (!cmq::valid_code_layout(numel, block) || seed < 0) return cmq::kBadArgument;
+  const uint32_t salt = cmq::mix32(static_cast<uint32_t>(seed));
+  for_blocks(numel, block, [&](int64_t b) {
+    const int64_t first = b * block;
+    float scale = 0.0f;
+    for (int64_t i = first; i < first + block; ++i) scale = cmq::nan_max(scale, cmq::magnitude(x[i]));
+    scales[b] = scale;
+    for (int64_t j = first / 4; j < (first + block) / 4; ++j) {
+      uint32_t byte = 0;
+      for (int k = 0; k < 4; ++k) {
+        const int64_t i = 4 * j + k;
+        byte |= cmq::ternary_code(x[i], cmq::uniform_of(salt, i), scale) << (2 * k);
+      }
+      codes[j] = static_cast<uint8_t>(byte);
+    }
+  });
+  return cmq::kOk;
+}
+
+// The fp32 sum of `count` decoded inputs in order, stored as out_dtype; ternary: 0 or 1.
+int cmq_cpu_decompress_sum(const uint8_t* const* codes, const float* const* scales, int count,
+                           int64_t numel, int64_t block, int ternary, void* out, int out_dtype) {
+  if (!cmq::valid_code_layout(numel, block) || count < 1) return cmq::kBadArgument;
+  return cmq::with_dtype(out_dtype, [&](auto o) {
+    using Out = decltype(o);
+    decoded_sum<Out>(codes, scales, count, numel, block, ternary != 0,
+                     static_cast<typename Out::Raw*>(out));
+    return cmq::kOk;
+  });
+}
+
+}  // extern "C"

@@ -275,3 +275,136 @@ int cmq_cuda_dequant_reduce_requant(const uint8_t* const* q, const float* const*
 }
 
 }  // extern "C"
+
+// ---------------------------------------------------------------- gradient compression codes
+// The 1-bit and ternary codes of zero/compression (pack_math.h; the spec is
+// kernels/compression_reference.py): one CUDA block per code block (its pairwise sum or max in
+// shared memory, in the spec's order), grid-stride over elements for the decoded sums.
+
+#include "pack_math.h"
+
+namespace {
+
+__global__ void onebit_compress_kernel(const float* x, int64_t blocks, int64_t block,
+                                       uint8_t* codes, float* scales, float* residual) {
+  extern __shared__ float sums[];
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const float* xb = x + b * block;
+    for (int64_t i = threadIdx.x; i < block; i += blockDim.x) sums[i] = cmq::magnitude(xb[i]);
+    __syncthreads();
+    for (int64_t h = block / 2; h >= 1; h /= 2) {
+      for (int64_t i = threadIdx.x; i < h; i += blockDim.x) sums[i] = sums[i] + sums[i + h];
+      __syncthreads();
+    }
+    const float scale = sums[0] / static_cast<float>(block);
+    if (threadIdx.x == 0) scales[b] = scale;
+    for (int64_t j = threadIdx.x; j < block / 8; j += blockDim.x) {
+      uint32_t byte = 0;
+      for (int k = 0; k < 8; ++k) byte |= static_cast<uint32_t>(xb[8 * j + k] < 0.0f) << k;
+      codes[b * block / 8 + j] = static_cast<uint8_t>(byte);
+    }
+    __syncthreads();  // every code is read from x before the residual may overwrite it
+    if (residual != nullptr)
+      for (int64_t i = threadIdx.x; i < block; i += blockDim.x)
+        residual[b * block + i] = xb[i] - cmq::onebit_value(xb[i] < 0.0f, scale);
+    __syncthreads();  // sums[0] is read by all before the next block refills it
+  }
+}
+
+__global__ void ternary_compress_kernel(const float* x, int64_t blocks, int64_t block,
+                                        uint32_t salt, uint8_t* codes, float* scales) {
+  __shared__ float maxima[kThreads];
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    const int64_t first = b * block;
+    float m = 0.0f;
+    for (int64_t i = threadIdx.x; i < block; i += blockDim.x) m = cmq::nan_max(m, cmq::magnitude(x[first + i]));
+    maxima[threadIdx.x] = m;
+    __syncthreads();
+    for (int h = kThreads / 2; h >= 1; h /= 2) {
+      if (threadIdx.x < h) maxima[threadIdx.x] = cmq::nan_max(maxima[threadIdx.x], maxima[threadIdx.x + h]);
+      __syncthreads();
+    }
+    const float scale = maxima[0];
+    if (threadIdx.x == 0) scales[b] = scale;
+    for (int64_t j = first / 4 + threadIdx.x; j < (first + block) / 4; j += blockDim.x) {
+      uint32_t byte = 0;
+      for (int k = 0; k < 4; ++k) {
+        const int64_t i = 4 * j + k;
+        byte |= cmq::ternary_code(x[i], cmq::uniform_of(salt, i), scale) << (2 * k);
+      }
+      codes[j] = static_cast<uint8_t>(byte);
+    }
+    __syncthreads();
+  }
+}
+
+struct CodePtrs {
+  const uint8_t* codes[kMaxInputs];
+  const float* scales[kMaxInputs];
+  int count;
+};
+
+template <class Out>
+__global__ void decompress_sum_kernel(CodePtrs in, int64_t numel, int64_t block, int ternary,
+                                      typename Out::Raw* out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+    float acc = 0.0f;
+    for (int k = 0; k < in.count; ++k) {
+      const float scale = in.scales[k][i / block];
+      const float v = ternary ? cmq::ternary_value(cmq::ternary_field(in.codes[k], i), scale)
+                              : cmq::onebit_value(cmq::onebit_field(in.codes[k], i), scale);
+      acc = k == 0 ? v : acc + v;
+    }
+    out[i] = Out::store(acc);
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int cmq_cuda_onebit_compress(const float* x, int64_t numel, int64_t block, uint8_t* codes,
+                             float* scales, float* residual, void* stream) {
+  if (!cmq::valid_code_layout(numel, block)) return fail(cmq::kBadArgument, "onebit_compress", "layout");
+  if (numel == 0) return cmq::kOk;
+  const int64_t blocks = numel / block;
+  onebit_compress_kernel<<<blocks_for(blocks), kThreads, block * sizeof(float),
+                           static_cast<cudaStream_t>(stream)>>>(x, blocks, block, codes, scales,
+                                                                residual);
+  return launched("onebit_compress");
+}
+
+int cmq_cuda_ternary_compress(const float* x, int64_t numel, int64_t block, int64_t seed,
+                              uint8_t* codes, float* scales, void* stream) {
+  if (!cmq::valid_code_layout(numel, block) || seed < 0)
+    return fail(cmq::kBadArgument, "ternary_compress", "layout or seed");
+  if (numel == 0) return cmq::kOk;
+  const int64_t blocks = numel / block;
+  ternary_compress_kernel<<<blocks_for(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+      x, blocks, block, cmq::mix32(static_cast<uint32_t>(seed)), codes, scales);
+  return launched("ternary_compress");
+}
+
+int cmq_cuda_decompress_sum(const uint8_t* const* codes, const float* const* scales, int count,
+                            int64_t numel, int64_t block, int ternary, void* out, int out_dtype,
+                            void* stream) {
+  if (!cmq::valid_code_layout(numel, block) || count < 1 || count > kMaxInputs)
+    return fail(cmq::kBadArgument, "decompress_sum", "layout or count");
+  if (numel == 0) return cmq::kOk;
+  CodePtrs in;
+  for (int k = 0; k < count; ++k) {
+    in.codes[k] = codes[k];
+    in.scales[k] = scales[k];
+  }
+  in.count = count;
+  return cmq::with_dtype(out_dtype, [&](auto o) {
+    using Out = decltype(o);
+    decompress_sum_kernel<Out>
+        <<<blocks_for(ceil_div(numel, kThreads)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+            in, numel, block, ternary, static_cast<typename Out::Raw*>(out));
+    return launched("decompress_sum");
+  });
+}
+
+}  // extern "C"
