@@ -25,6 +25,9 @@ from chunkmem.byte_sizes import parse_byte_size
 from chunkmem.config_errors import describe_validation_error
 from chunkmem.errors import ConfigError
 
+# Compression methods that carry state from step to step (residuals, warm starts).
+ERROR_FEEDBACK_METHODS = ("onebit", "powersgd")
+
 ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=0)]
 
 
@@ -372,6 +375,54 @@ class ZeroConfig(_Section):
         return self
 
 
+class CompressionConfig(_Section):
+    """Gradient compression on the reduce-scatter of ZeRO stages 1-3 (docs/compression.md)."""
+
+    type: Literal["none", "onebit", "terngrad", "powersgd"] = Field(
+        "none",
+        description="none: exact reduce-scatter. onebit: sign plus one fp32 scale per block "
+        "with error feedback (1-bit SGD). terngrad: stochastic {-1, 0, +1} times each block's "
+        "max, unbiased, no state. powersgd: rank-r approximation of every large matrix with "
+        "error feedback and a warm-started Q; vectors and small tensors are reduced exactly.",
+    )
+    block_size: int = Field(
+        256,
+        ge=32,
+        le=4096,
+        description="onebit/terngrad: elements per fp32 scale, a power of two (32 to 4096): "
+        "smaller blocks follow the gradient more closely and send 4 bytes per block more.",
+    )
+    rank: int = Field(4, ge=1, description="powersgd: the approximation's rank r.")
+    min_compression_rate: float = Field(
+        2.0,
+        ge=1,
+        description="powersgd: a matrix of n x m is compressed only when n*m >= this times "
+        "r*(n+m); the others travel exactly.",
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Optimizer steps whose gradients are reduced exactly before compression "
+        "starts (PowerSGD's start iteration, 1-bit Adam's warm-up).",
+    )
+    clip_sigma: float = Field(
+        2.5,
+        ge=0,
+        description="terngrad: each parameter's gradient is clipped to this many standard "
+        "deviations before ternarizing, as in the paper (0: off).",
+    )
+    seed: int = Field(0, ge=0, description="terngrad's stochastic rounding and powersgd's first Q.")
+
+    @model_validator(mode="after")
+    def _block_is_power_of_two(self) -> CompressionConfig:
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(
+                f"compression.block_size must be a power of two (its scale is a pairwise sum "
+                f"every backend computes in one order), got {self.block_size}"
+            )
+        return self
+
+
 class ReportConfig(_Section):
     """Memory-trace report written by ``engine.write_report()``."""
 
@@ -421,6 +472,7 @@ class Config(_Section):
     placement: PlacementConfig = PlacementConfig()
     zero: ZeroConfig = ZeroConfig()
     offload: OffloadConfig = OffloadConfig()
+    compression: CompressionConfig = CompressionConfig()
     report: ReportConfig = ReportConfig()
 
     @model_validator(mode="before")
@@ -442,6 +494,7 @@ class Config(_Section):
                 "offload.optimizer is 'nvme' but offload.nvme.path is not set: give the "
                 "directory (on the fast disk) for the chunk files"
             )
+        _check_compression(self)
         if offload.nvme.block_size % 4096:
             raise ValueError(
                 f"offload.nvme.block_size {offload.nvme.block_size} is not a multiple of 4096 "
@@ -492,6 +545,33 @@ class Config(_Section):
         raise ConfigError(
             f"config must be a chunkmem Config, a dict or a path to a JSON file, "
             f"got {type(config).__name__}"
+        )
+
+
+def _check_compression(config: Config) -> None:
+    """Refuse, by name, the combinations compression cannot serve."""
+    method = config.compression.type
+    if method == "none":
+        return
+    if config.zero.stage == 0:
+        raise ValueError(
+            f"compression.type {method!r} compresses the gradient reduction across ranks; it "
+            f"needs zero.stage 1, 2 or 3, got stage 0"
+        )
+    if config.zero.quantized_gradients is not False:
+        raise ValueError(
+            f"compression.type {method!r} and zero.quantized_gradients both replace the "
+            f"gradient reduce-scatter; choose one"
+        )
+    if method in ERROR_FEEDBACK_METHODS and (
+        config.precision == "fp16" or config.nonfinite == "skip"
+    ):
+        why = "precision fp16" if config.precision == "fp16" else "nonfinite 'skip'"
+        raise ValueError(
+            f"compression.type {method!r} keeps error-feedback state built from every step's "
+            f"gradients, and {why} discards steps after their gradients were reduced: the "
+            f"state would carry a discarded (or loss-scaled) step into the next. Use bf16 or "
+            f"fp32 with nonfinite 'raise', or compression.type 'terngrad' (no state)"
         )
 
 

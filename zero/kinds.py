@@ -8,6 +8,9 @@
 - ``HPZ_SECONDARY``: ZeRO++ hpZ, this rank's part of a forward-gathered copy, kept inside its
   node group until the step so that the backward gather does not cross nodes; placement may
   move it to the host like any dynamic chunk.
+- ``EF_RESIDUAL``: a gradient compressor's error-feedback residual of a layout on this rank
+  (``zero.compression``): what compression left out of its gradients so far, fp32, whole
+  layout; kept across steps, placed like any dynamic chunk.
 """
 
 from __future__ import annotations
@@ -19,3 +22,4 @@ GATHERED = ChunkKind(
 )
 GRAD_SHARD = ChunkKind("grad_shard", dynamic=True, gradient=True, written_before_read=True)
 HPZ_SECONDARY = ChunkKind("hpz_secondary", dynamic=True)
+EF_RESIDUAL = ChunkKind("ef_residual", dynamic=True)

@@ -38,7 +38,7 @@ from kernels.quantized import data_nbytes, num_groups
 from zero.comm import Communicator, Handle
 from zero.comm_ledger import collective_traffic
 from zero.topology import NodeGroups, Topology
-from zero.wire import WireBuffers, aligned, packed_nbytes, packed_view, wire_parts
+from zero.wire import WireBuffers, aligned, carve, packed_nbytes, packed_view, wire_parts
 
 
 class HierarchicalQuantizedReduceScatter:
@@ -88,7 +88,7 @@ class _QgzWork:
         sizes = buffer_parts(topology, n, s, bits, block, dtype.itemsize)
         self._buffer = owner.wire.take(sum(aligned(size) for size in sizes))
         try:
-            parts = _carve(self._buffer, sizes)
+            parts = carve(self._buffer, sizes)
             self._sent = packed_view(parts[1], world * s, bits, block, dtype)
             self._received = packed_view(parts[2], world * s, bits, block, dtype)
             self._partial = packed_view(parts[3], nodes * s, bits, block, dtype)
@@ -207,12 +207,3 @@ class HierarchicalQuantizedReduceScatterCosts:
         n, s = self._slice(capacity)
         parts = buffer_parts(self.topology, n, s, self.bits, self.block_size, self.itemsize)
         return sum(aligned(size) for size in parts)
-
-
-def _carve(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Consecutive 64-byte-aligned pieces of ``buffer`` of the given byte sizes."""
-    pieces, start = [], 0
-    for size in sizes:
-        pieces.append(buffer[start : start + size])
-        start += aligned(size)
-    return pieces

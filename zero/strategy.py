@@ -25,7 +25,7 @@ import torch
 
 import kernels
 from chunkmem.chunk import ChunkLayout
-from chunkmem.config import ZeroConfig
+from chunkmem.config import CompressionConfig, ZeroConfig
 from chunkmem.costs import GathererCosts, ReducerCosts, ShardingCosts, StrategyCosts, Traffic
 from chunkmem.errors import ConfigError
 from chunkmem.params import ParamStore
@@ -34,6 +34,8 @@ from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Strate
 from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
+from zero.compression import build_compressed_reduction
+from zero.compression.residuals import Residuals
 from zero.gather import (
     ExactAllGather,
     ExactAllGatherCosts,
@@ -217,9 +219,16 @@ class ZeroStrategy(Strategy):
 
     sharding: ZeroSharding
 
-    def __init__(self, config: ZeroConfig, comm: Communicator, device: torch.device) -> None:
+    def __init__(
+        self,
+        config: ZeroConfig,
+        comm: Communicator,
+        device: torch.device,
+        compression: CompressionConfig | None = None,
+    ) -> None:
         super().__init__(ZeroSharding(config.stage, comm, device))
         self.config = config
+        self.compression = compression or CompressionConfig()
         self.comm = comm
         self.topology = Topology(comm.size, resolve_node_size(config.node_size, comm.size))
         comm.topology = self.topology
@@ -227,7 +236,7 @@ class ZeroStrategy(Strategy):
         self.groups: NodeGroups | None = None
         if self.choice.node_groups:
             self.groups = build_node_groups(comm, self.topology, config.hpz_partition_size)
-        if self.choice.weight_bits or self.choice.gradient_bits:
+        if self.choice.weight_bits or self.choice.gradient_bits or self.compression.type != "none":
             _check_native_kernels(device)
         self._wire: WireBuffers | None = None
 
@@ -269,6 +278,15 @@ class ZeroStrategy(Strategy):
                 choice.gradient_bits,
                 choice.gradient_block,
                 choice.reduce_phase,
+            )
+        if self.compression.type != "none":
+            reduction = build_compressed_reduction(
+                self.compression,
+                self.comm,
+                self._wire_buffers(residency),
+                Residuals(residency),
+                choice.reduce_phase,
+                exact=reduction,
             )
         return ReduceScatterGrads(
             params, residency, self.sharding, reduction, overlap=choice.overlap
@@ -314,8 +332,8 @@ def _check_native_kernels(device: torch.device) -> None:
     choice = kernels.backend_for(device)
     if choice.name == "reference" and os.environ.get(kernels.BACKEND_ENV) != "reference":
         raise ConfigError(
-            f"zero.quantized_weights / zero.quantized_gradients need the native quantization "
-            f"kernels for {device.type} tensors, but {choice.reason}. Fix that (docs/kernels.md, "
+            f"zero.quantized_weights, zero.quantized_gradients and compression need the native "
+            f"quantization kernels for {device.type} tensors, but {choice.reason}. Fix that (docs/kernels.md, "
             f"'Backends, build and cache'), or set {kernels.BACKEND_ENV}=reference to run the "
             f"slow torch reference knowingly."
         )

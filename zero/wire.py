@@ -36,6 +36,15 @@ def aligned(nbytes: int, alignment: int = ALIGN) -> int:
     return -(-nbytes // alignment) * alignment
 
 
+def carve(buffer: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """Consecutive 64-byte-aligned pieces of ``buffer`` of the given byte sizes."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(buffer[start : start + size])
+        start += aligned(size)
+    return pieces
+
+
 def packed_nbytes(numel: int, bits: int, group_size: int) -> int:
     """Bytes of a symmetric quantized tensor of ``numel`` elements in the wire format."""
     return aligned(data_nbytes(numel, bits), SCALES_ALIGN) + 4 * num_groups(numel, group_size)

@@ -46,6 +46,7 @@ from chunkmem.checkpoint.run_state import (
     restore_rng_state,
     rng_state,
 )
+from chunkmem.config import ERROR_FEEDBACK_METHODS
 from chunkmem.errors import CheckpointError
 from chunkmem.params import ParamStore
 from chunkmem.tiers import StorageTier
@@ -62,6 +63,7 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike, client_state: 
     """Write ``engine``'s training state to the new directory ``directory``; every rank
     calls it between optimizer steps. Returns the directory's absolute path."""
     target = Path(os.path.abspath(directory))
+    _refuse_unsaved_compression_state(engine)
     params, sharding = engine.params, engine.params.sharding
     if not params.all_packed:  # saved before the first forward
         params.pack_remaining(engine.residency.tiers.spill)
@@ -97,6 +99,19 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike, client_state: 
         access.release()
     commit.finish(temporary, target, manifest, sharding)
     return target
+
+
+def _refuse_unsaved_compression_state(engine: Engine) -> None:
+    """Error feedback's residuals and PowerSGD's warm starts are not written yet: refuse before
+    anything is, instead of a checkpoint that resumes without them."""
+    method = engine.config.compression.type
+    if method in ERROR_FEEDBACK_METHODS:
+        raise CheckpointError(
+            f"compression.type {method!r} keeps error-feedback state (each rank's residual"
+            f"{', and the warm-started Q' if method == 'powersgd' else ''}) that checkpoints do "
+            f"not save yet; nothing was written. Train with compression.type 'terngrad' or "
+            f"'none' where you need checkpoints"
+        )
 
 
 def prepare_load(engine: Engine, directory: str | os.PathLike) -> Callable[[], Any]:

@@ -1,0 +1,419 @@
+"""Gradient compression (zero.compression): the codes bit for bit against the reference, each
+compressor against a reference written from its paper on the in-process world, TernGrad's
+unbiasedness over seeds, training at ZeRO 1-3, and the combinations refused by name."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import chunkmem
+from chunkmem.errors import ConfigError
+from kernels import compression as codes_ops
+from kernels import compression_reference as reference
+from tests.distributed_helpers import one_rank_at_a_time, run_threads
+from zero.kinds import EF_RESIDUAL
+
+WORLD = 4
+
+
+# ---------------------------------------------------------------- codes
+
+
+def _native_backends() -> list[str]:
+    return ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("backend", _native_backends())
+@pytest.mark.parametrize("block", [32, 256, 4096])
+def test_codes_match_the_reference_bit_for_bit(backend: str, block: int) -> None:
+    torch.manual_seed(block)
+    n = block * 9
+    x = torch.randn(n) * torch.rand(n)
+    x[3], x[4], x[block + 1] = -0.0, 0.0, float("nan")  # a NaN block and signed zeros
+    results = {}
+    for name in ("reference", backend):
+        device = "cuda" if name == "cuda" else "cpu"
+        xd = x.to(device)
+        codes = torch.empty(n // 8, dtype=torch.uint8, device=device)
+        scales = torch.empty(n // block, device=device)
+        residual = torch.empty(n, device=device)
+        codes_ops.onebit_compress(
+            xd, block=block, codes=codes, scales=scales, residual=residual, backend=name
+        )
+        tcodes = torch.empty(n // 4, dtype=torch.uint8, device=device)
+        tscales = torch.empty(n // block, device=device)
+        codes_ops.ternary_compress(
+            xd, block=block, seed=2**32 - 7, codes=tcodes, scales=tscales, backend=name
+        )
+        sums = []
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            out = torch.empty(n, dtype=dtype, device=device)
+            codes_ops.decompress_sum(
+                [codes, codes],
+                [scales, scales * 3],
+                code="onebit",
+                block=block,
+                out=out,
+                backend=name,
+            )
+            sums.append(out)
+            out = torch.empty(n, dtype=dtype, device=device)
+            codes_ops.decompress_sum(
+                [tcodes, tcodes, tcodes],
+                [tscales] * 3,
+                code="ternary",
+                block=block,
+                out=out,
+                backend=name,
+            )
+            sums.append(out)
+        results[name] = [t.cpu() for t in (codes, scales, residual, tcodes, tscales, *sums)]
+    for ref, native in zip(results["reference"], results[backend], strict=True):
+        assert _same_bits(ref, native)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal, except that a NaN equals any NaN (its sign and payload are unspecified)."""
+    if a.is_floating_point():
+        nan = a.isnan()
+        if not torch.equal(nan, b.isnan()):
+            return False
+        a, b = a[~nan], b[~nan]
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_onebit_code_is_the_papers_sign_and_mean_magnitude() -> None:
+    """Written from 1-bit SGD: each element becomes sign(x) (0 counts as +) times its block's
+    mean |x|, the scale that minimises the squared error; the residual is what is left."""
+    x = torch.tensor([1.0, -3.0, 0.0, 2.0] * 8 + [-1.0] * 32)
+    codes = torch.empty(8, dtype=torch.uint8)
+    scales = torch.empty(2)
+    residual = torch.empty(64)
+    codes_ops.onebit_compress(x, block=32, codes=codes, scales=scales, residual=residual)
+    assert scales.tolist() == [1.5, 1.0]
+    decoded = torch.empty(64)
+    codes_ops.decompress_sum([codes], [scales], code="onebit", block=32, out=decoded)
+    want = torch.tensor([1.5, -1.5, 1.5, 1.5] * 8 + [-1.0] * 32)
+    assert torch.equal(decoded, want)
+    assert torch.equal(residual, x - want)
+
+
+def test_terngrad_is_unbiased_over_seeds() -> None:
+    """E[decoded] = x: the mean over 2000 seeds is within 4.5 standard errors of x in every
+    element (each draw is 0 or +-scale, so its variance is |x| scale - x^2)."""
+    torch.manual_seed(0)
+    x = torch.randn(1024)
+    seeds = 2000
+    total = torch.zeros(1024)
+    for seed in range(seeds):
+        codes = torch.empty(256, dtype=torch.uint8)
+        scales = torch.empty(4)
+        codes_ops.ternary_compress(x, block=256, seed=seed, codes=codes, scales=scales)
+        out = torch.empty(1024)
+        codes_ops.decompress_sum([codes], [scales], code="ternary", block=256, out=out)
+        assert set(torch.unique(out / scales.repeat_interleave(256)).tolist()) <= {-1.0, 0.0, 1.0}
+        total += out
+    scale = x.abs().view(4, 256).amax(dim=1).repeat_interleave(256)
+    stderr = ((x.abs() * scale - x * x).clamp_min(0) / seeds).sqrt()
+    # (a block's maximum is always sent whole: no variance, only the fp32 sum's rounding)
+    assert ((total / seeds - x).abs() <= 4.5 * stderr + 1e-4).all()
+
+
+def test_bad_code_arguments_are_refused() -> None:
+    x = torch.zeros(64)
+    with pytest.raises(ValueError, match="power of two"):
+        codes_ops.onebit_compress(
+            x, block=48, codes=torch.empty(8, dtype=torch.uint8), scales=torch.empty(1)
+        )
+    with pytest.raises(ValueError, match="float32"):
+        codes_ops.onebit_compress(
+            x.bfloat16(), block=32, codes=torch.empty(8, dtype=torch.uint8), scales=torch.empty(2)
+        )
+    with pytest.raises(ValueError, match="codes must be"):
+        codes_ops.ternary_compress(
+            x, block=32, seed=1, codes=torch.empty(8, dtype=torch.uint8), scales=torch.empty(2)
+        )
+
+
+# ---------------------------------------------------------------- reductions
+
+
+class TwoLayers(nn.Module):
+    """A matrix PowerSGD compresses, a vector and a small matrix it sends exactly, and a size
+    that leaves padded slices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(24, 40)
+        self.down = nn.Linear(40, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.down(torch.tanh(self.up(x))), y)
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 24, generator=g), torch.randn(8, 3, generator=g)
+
+
+class Recording:
+    """Wraps a reduction: what each launch read (the gradient chunk, the residual before) and
+    what its wait left (the shard, the residual after)."""
+
+    def __init__(self, inner: Any, log: list[dict]) -> None:
+        self.inner = inner
+        self.log = log
+
+    def launch(self, layout, full, shard):
+        residual = layout.chunks.get(EF_RESIDUAL)
+        entry = {
+            "layout": layout.index,
+            "full": full.float().clone(),
+            "before": torch.zeros(layout.capacity)
+            if residual is None
+            else residual.payload.clone(),
+        }
+        work = self.inner.launch(layout, full, shard)
+        log = self.log
+
+        class Waited:
+            def is_completed(self) -> bool:
+                return work.is_completed()
+
+            def wait(self) -> None:
+                work.wait()
+                entry["shard"] = shard.float().clone()
+                entry["after"] = (
+                    layout.chunks[EF_RESIDUAL].payload.clone()
+                    if (EF_RESIDUAL in layout.chunks)
+                    else None
+                )
+                log.append(entry)
+
+        return Waited()
+
+
+def _engine(comm, compression: dict, stage: int, **config: Any):
+    """TwoLayers, initialized alike on every rank, at ``stage`` with ``compression``."""
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        module = TwoLayers()
+    config = {
+        "device": {"type": "simulated", "capacity": "16MiB"},
+        "zero": {"stage": stage, "timeout_s": 30},
+        "compression": compression,
+        **config,
+    }
+    return chunkmem.initialize(module, comm=comm, config=config)
+
+
+def train_recorded(comm, compression: dict, stage: int, precision: str, steps: int) -> dict:
+    engine = _engine(
+        comm, compression, stage, precision=precision, gradient_clipping=1.0, chunk={"size": 512}
+    )
+    log: list[dict] = []
+    engine.reducer.reduction = Recording(engine.reducer.reduction, log)
+    losses = []
+    for step in range(steps):
+        loss = engine(*_batch(step, comm.rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    slots = {
+        layout.index: {slot.name: (slot.offset, tuple(slot.shape)) for slot in layout.slots}
+        for layout in engine.params.layouts
+    }
+    residual_bytes = sum(t.by_kind[EF_RESIDUAL.value] for t in engine.ledger.tiers.values())
+    trainable = sum(layout.capacity for layout in engine.params.trainable_layouts())
+    return {
+        "log": log,
+        "losses": losses,
+        "slots": slots,
+        "residual_bytes": residual_bytes,
+        "trainable_elements": trainable,
+    }
+
+
+def _by_launch(results: list[dict]) -> list[list[dict]]:
+    """The k-th reduction of every rank, for every k (ranks launch in one order)."""
+    logs = [r["log"] for r in results]
+    assert len({len(log) for log in logs}) == 1
+    return [list(entries) for entries in zip(*logs, strict=True)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_onebit_reduction_equals_the_papers_reference(stage: int) -> None:
+    results = run_threads(
+        train_recorded,
+        WORLD,
+        {"type": "onebit", "block_size": 32},
+        stage,
+        "fp32",
+        3,
+        timeout_s=30,
+    )
+    for entries in _by_launch(results):
+        world = len(entries)
+        n = entries[0]["full"].numel() // world
+        s = -(-n // 32) * 32
+        values = []
+        for entry in entries:
+            e = entry["full"] + entry["before"]
+            staged = torch.zeros(world, s)
+            staged[:, :n] = e.view(world, n)
+            codes, scales, rest = reference.onebit_compress(staged.view(-1), 32)
+            values.append(reference.onebit_values(codes, scales, 32).view(world, s)[:, :n])
+            want_after = rest.view(world, s)[:, :n].reshape(-1)
+            used = int((entry["full"] != 0).nonzero().max()) + 1 if entry["full"].any() else 0
+            assert torch.equal(entry["after"][:used], want_after[:used])
+        for rank, entry in enumerate(entries):
+            total = values[0][rank].clone()
+            for other in values[1:]:
+                total = total + other[rank]
+            shard = entry["shard"]
+            nonzero = shard != 0
+            assert torch.equal(shard[nonzero], total[nonzero])
+
+
+def test_error_feedback_loses_nothing() -> None:
+    """Over the steps, what the shards received plus what the residuals still hold equals the
+    exact sum of every rank's gradients (1-bit and PowerSGD)."""
+    for compression in ({"type": "onebit", "block_size": 32}, {"type": "powersgd", "rank": 2}):
+        results = run_threads(train_recorded, WORLD, compression, 2, "fp32", 1, timeout_s=30)
+        for result in results:  # the ledger counts one whole fp32 residual per layout
+            assert result["residual_bytes"] == 4 * result["trainable_elements"]
+        for entries in _by_launch(results):
+            world = len(entries)
+            n = entries[0]["full"].numel() // world
+            exact = sum(e["full"] for e in entries)
+            received = torch.cat([e["shard"] for e in entries])
+            owed = sum(e["after"] for e in entries)
+            used = int(exact.nonzero().max()) + 1
+            assert torch.allclose((received + owed)[:used], exact[:used], atol=1e-5), compression
+            assert n * world == exact.numel()
+
+
+def test_powersgd_equals_the_papers_reference() -> None:
+    """Written from Vogels et al., Algorithm 1 with error feedback: P = M Q (summed), P
+    orthogonalized, Q = M^T P (summed), the sum approximated by P Q^T, each rank's residual
+    M_w - P Q_w^T; the first Q a seeded normal matrix."""
+    from zero.compression.powersgd import orthogonalize
+
+    results = run_threads(
+        train_recorded, WORLD, {"type": "powersgd", "rank": 2}, 2, "fp32", 1, timeout_s=30
+    )
+    checked = 0
+    for entries in _by_launch(results):
+        slots = results[0]["slots"][entries[0]["layout"]]
+        if "up.weight" not in slots:
+            continue
+        offset, (rows, cols) = slots["up.weight"]
+        span = slice(offset, offset + rows * cols)
+        generator = torch.Generator().manual_seed(_stable("up.weight"))
+        q0 = torch.randn(cols, 2, generator=generator)
+        ms = [(e["full"] + e["before"])[span].view(rows, cols) for e in entries]
+        p = sum(m @ q0 for m in ms)
+        orthogonalize(p)
+        q = sum(m.t() @ p for m in ms)
+        received = torch.cat([e["shard"] for e in entries])[span]
+        assert torch.allclose(received, (p @ q.t()).reshape(-1), rtol=1e-4, atol=1e-6)
+        for m, entry in zip(ms, entries, strict=True):
+            own = (m - p @ (m.t() @ p).t()).reshape(-1)
+            assert torch.allclose(entry["after"][span], own, rtol=1e-4, atol=1e-6)
+        # a vector travels exactly: the bias's shard is the plain sum
+        if "up.bias" in slots:
+            b_offset, (b_rows,) = slots["up.bias"]
+            bias = slice(b_offset, b_offset + b_rows)
+            exact = sum(e["full"][bias] for e in entries)
+            assert torch.allclose(torch.cat([e["shard"] for e in entries])[bias], exact)
+        checked += 1
+    assert checked == 1
+
+
+def _stable(name: str) -> int:
+    from zero.compression.powersgd import _stable_hash
+
+    return _stable_hash(name)
+
+
+@pytest.mark.parametrize(
+    "compression",
+    [
+        {"type": "onebit"},
+        {"type": "terngrad"},
+        {"type": "powersgd", "rank": 4},
+        {"type": "onebit", "warmup_steps": 2},
+    ],
+    ids=["onebit", "terngrad", "powersgd", "onebit-warmup"],
+)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_training_with_compression_follows_exact_training(compression: dict, stage: int) -> None:
+    """bf16, clipping 1.0: the losses of 6 steps stay within 10% of exact ZeRO's (the
+    compressed gradients are approximations), and every step trains."""
+    exact = run_threads(train_recorded, WORLD, {"type": "none"}, stage, "bf16", 6, timeout_s=60)
+    ours = run_threads(train_recorded, WORLD, compression, stage, "bf16", 6, timeout_s=60)
+    for rank in range(WORLD):
+        for a, b in zip(ours[rank]["losses"], exact[rank]["losses"], strict=True):
+            assert math.isfinite(a)
+            assert abs(a - b) <= 0.1 * b, (compression, stage, rank)
+    if compression.get("warmup_steps"):
+        # the warm-up steps reduced exactly: the same losses to the bit for steps 0-2
+        assert ours[0]["losses"][:3] == exact[0]["losses"][:3]
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"compression": {"type": "onebit"}}, "needs zero.stage 1, 2 or 3"),
+        (
+            {"zero": {"stage": 2, "quantized_gradients": True}, "compression": {"type": "onebit"}},
+            "both replace the gradient reduce-scatter",
+        ),
+        (
+            {"zero": {"stage": 2}, "precision": "fp16", "compression": {"type": "powersgd"}},
+            "error-feedback state",
+        ),
+        (
+            {"zero": {"stage": 2}, "nonfinite": "skip", "compression": {"type": "onebit"}},
+            "nonfinite 'skip'",
+        ),
+        ({"zero": {"stage": 2}, "compression": {"type": "dgc"}}, "compression.type"),
+        (
+            {"zero": {"stage": 2}, "compression": {"type": "onebit", "block_size": 96}},
+            "power of two",
+        ),
+    ],
+    ids=["stage0", "qgz", "fp16", "skip", "unknown", "block"],
+)
+def test_refused_combinations_say_why(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        chunkmem.Config.from_dict(config)
+
+
+def test_the_estimate_refuses_compression_by_name() -> None:
+    from chunkmem.strategies import strategy_costs
+
+    config = chunkmem.Config.from_dict({"zero": {"stage": 2}, "compression": {"type": "onebit"}})
+    with pytest.raises(ConfigError, match="does not model gradient compression"):
+        strategy_costs(config, 4, 4, 2)
+
+
+def save_with_error_feedback(comm, directory: str) -> str:
+    engine = _engine(comm, {"type": "onebit"}, 2)
+    engine.backward(engine(*_batch(0, comm.rank)))
+    engine.step()
+    with pytest.raises(chunkmem.CheckpointError, match="not save yet; nothing was written"):
+        engine.save_checkpoint(directory)
+    return "refused"
+
+
+def test_a_checkpoint_with_error_feedback_is_refused_before_writing(tmp_path) -> None:
+    target = tmp_path / "ckpt"
+    assert run_threads(save_with_error_feedback, 2, str(target), timeout_s=30) == ["refused"] * 2
+    assert not target.exists()
+    assert not list(tmp_path.iterdir())
