@@ -236,6 +236,7 @@ def train_recorded(comm, compression: dict, stage: int, precision: str, steps: i
         "slots": slots,
         "residual_bytes": residual_bytes,
         "trainable_elements": trainable,
+        "groups": {group for _op, group in engine.states.sharding.comm.ledger.totals()},
     }
 
 
@@ -307,6 +308,9 @@ def test_powersgd_equals_the_papers_reference() -> None:
     results = run_threads(
         train_recorded, WORLD, {"type": "powersgd", "rank": 2}, 2, "fp32", 1, timeout_s=30
     )
+    # Q travels on a group of its own: a rank may see layout A's P arrive before or after it
+    # launched layout B's P, and one world group would then get their collectives in two orders
+    assert all(result["groups"] == {"world", "powersgd_q"} for result in results)
     checked = 0
     for entries in _by_launch(results):
         slots = results[0]["slots"][entries[0]["layout"]]

@@ -51,7 +51,8 @@ def build_compressed_reduction(
     """The reduction ``config`` asks for, exact during its warm-up."""
     if config.type == "powersgd":
         settings = PowerSGDSettings(config.rank, config.min_compression_rate, config.seed)
-        compressed = PowerSGDReduceScatter(comm, wire, residuals, settings, phase)
+        q_group = comm.new_group("powersgd_q", range(comm.size))
+        compressed = PowerSGDReduceScatter(comm, wire, residuals, settings, phase, q_group)
     else:
         code = BlockCode(
             "onebit" if config.type == "onebit" else "ternary",

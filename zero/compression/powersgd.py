@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from chunkmem.chunk import Chunk, ChunkLayout, TensorSlot
-from zero.comm import Communicator, Handle
+from zero.comm import Communicator, Group, Handle
 from zero.compression.residuals import Residuals
 from zero.wire import WireBuffers, aligned
 
@@ -109,8 +109,10 @@ class PowerSGDReduceScatter:
         residuals: Residuals,
         settings: PowerSGDSettings,
         phase: str,
+        q_group: Group,
     ) -> None:
         self.comm = comm
+        self.q_group = q_group
         self.wire = wire
         self.residuals = residuals
         self.settings = settings
@@ -140,7 +142,12 @@ class PowerSGDReduceScatter:
 
 class _PowerSGDWork:
     """One reduction in flight: the ``P`` all-reduce launched at launch; the ``Q`` all-reduce
-    once it arrived (in ``is_completed``, overlapping backward, or in ``wait``)."""
+    once it arrived (in ``is_completed``, overlapping backward, or in ``wait``).
+
+    When a rank sees a ``P`` arrive depends on timing, so one rank may launch layout A's ``Q``
+    before layout B's ``P`` and another after it: the ``Q`` all-reduces run on a group of their
+    own (``q_group``, every rank), so each group's collectives are issued in launch order on
+    every rank, which is all a collective needs."""
 
     def __init__(
         self,
@@ -190,10 +197,10 @@ class _PowerSGDWork:
             self._release()
             raise
 
-    def _all_reduce(self, values: torch.Tensor) -> Handle:
+    def _all_reduce(self, values: torch.Tensor, group: Group | None = None) -> Handle:
         owner = self._owner
         with owner.comm.serving(owner.phase):
-            return owner.comm.all_reduce(values, op="sum", async_op=True)
+            return owner.comm.all_reduce(values, op="sum", group=group, async_op=True)
 
     def _launch_second(self) -> None:
         """Step 3 and the residual of step 4, then the ``Q`` all-reduce."""
@@ -206,7 +213,7 @@ class _PowerSGDWork:
             m.sub_(p @ q.t())  # this rank's residual: what its own approximation left out
             m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if self._qs:
-            self._second = self._all_reduce(self._q_values)
+            self._second = self._all_reduce(self._q_values, self._owner.q_group)
 
     def is_completed(self) -> bool:
         if self._buffer is None:
