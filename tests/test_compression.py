@@ -370,6 +370,57 @@ def test_training_with_compression_follows_exact_training(compression: dict, sta
         assert ours[0]["losses"][:3] == exact[0]["losses"][:3]
 
 
+def train_composed(comm, compression: dict, composition: dict, steps: int) -> list[float]:
+    """bf16, clipping 1.0, ZeRO with ``composition`` (offload, accumulation, hpZ)."""
+    accumulation = composition.get("gradient_accumulation_steps", 1)
+    config = dict(composition)  # the ranks share ``composition``
+    zero = {"timeout_s": 30, **config.pop("zero")}
+    engine = _engine(
+        comm,
+        compression,
+        zero["stage"],
+        precision="bf16",
+        gradient_clipping=1.0,
+        chunk={"size": 512},
+        zero=zero,
+        **config,
+    )
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulation):
+            loss = engine(*_batch(step * accumulation + micro, comm.rank))
+            engine.backward(loss)
+            losses.append(float(loss.detach()))
+            engine.step()  # steps at the end of each accumulation window
+    return losses
+
+
+COMPOSITIONS = {
+    "host-offload": {"zero": {"stage": 2}, "offload": {"optimizer": "host"}},
+    "stage3-host-offload": {"zero": {"stage": 3}, "offload": {"optimizer": "host"}},
+    "accumulation": {"zero": {"stage": 2}, "gradient_accumulation_steps": 2},
+    "hpz": {"zero": {"stage": 3, "node_size": 2, "hpz_partition_size": 2}},
+}
+
+
+@pytest.mark.parametrize("composition", list(COMPOSITIONS))
+@pytest.mark.parametrize("method", ["onebit", "terngrad", "powersgd"])
+def test_compression_composes_with_offload_accumulation_and_hpz(
+    method: str, composition: str
+) -> None:
+    """Each method with host offload (stages 2 and 3), gradient accumulation and hpZ trains
+    within 10% of the same configuration without compression, over 5 steps."""
+    exact = run_threads(
+        train_composed, WORLD, {"type": "none"}, dict(COMPOSITIONS[composition]), 5, timeout_s=60
+    )
+    ours = run_threads(
+        train_composed, WORLD, {"type": method}, dict(COMPOSITIONS[composition]), 5, timeout_s=60
+    )
+    for rank in range(WORLD):
+        for a, b in zip(ours[rank], exact[rank], strict=True):
+            assert abs(a - b) <= 0.1 * b, (method, composition, rank)
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [
