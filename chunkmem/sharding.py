@@ -19,7 +19,7 @@ Every layout's capacity is a multiple of the world size, and rank ``r`` owns ele
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -185,14 +185,33 @@ class ExpectedGradients:
         self._expected = {index: set(stored) for index, stored in self._stored.items()}
 
 
+class ReducerState(Protocol):
+    """What a gradient reduction keeps from step to step (a compressor's error feedback),
+    for checkpoints (chunkmem.checkpoint): a description for the manifest, the tensors this
+    rank saves, and, on load, what this rank asks for and how it takes it back, also on
+    another world size."""
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def saved(self) -> dict[str, torch.Tensor]: ...
+
+    def requested(self, saved: dict[str, Any], saved_world: int) -> dict[str, torch.Tensor]: ...
+
+    def restore(
+        self, loaded: dict[str, torch.Tensor], saved: dict[str, Any], saved_world: int
+    ) -> None: ...
+
+
 class GradReducer:
     """How gradients become the ones this rank's update reads.
 
     A world of one updates from the gradients where backward wrote them. A ``listener``
-    (``offload.overlap``) hears when each layout's gradients are final.
+    (``offload.overlap``) hears when each layout's gradients are final; ``state`` is what the
+    reduction keeps across steps, if anything.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, state: ReducerState | None = None) -> None:
+        self.state = state
         self.listener: GradientsListener | None = None
         self._final_micro_batch = True
         self._arrived = ExpectedGradients()

@@ -15,7 +15,7 @@ import chunkmem
 from chunkmem.errors import ConfigError
 from kernels import compression as codes_ops
 from kernels import compression_reference as reference
-from tests.distributed_helpers import one_rank_at_a_time, run_threads
+from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from zero.kinds import EF_RESIDUAL
 
 WORLD = 4
@@ -458,17 +458,98 @@ def test_the_estimate_refuses_compression_by_name() -> None:
         strategy_costs(config, 4, 4, 2)
 
 
-def save_with_error_feedback(comm, directory: str) -> str:
-    engine = _engine(comm, {"type": "onebit"}, 2)
-    engine.backward(engine(*_batch(0, comm.rank)))
-    engine.step()
-    with pytest.raises(chunkmem.CheckpointError, match="not save yet; nothing was written"):
-        engine.save_checkpoint(directory)
-    return "refused"
+def train_and_checkpoint(
+    comm, compression: dict, directory: str, save_at: int | None, resume: bool
+) -> dict:
+    """6 steps of ZeRO-2 bf16 with ``compression``: saved after ``save_at`` steps, or loaded
+    from ``directory`` first and trained from there (``resume``)."""
+    engine = _engine(
+        comm, compression, 2, precision="bf16", gradient_clipping=1.0, chunk={"size": 512}
+    )
+    first = 0
+    if resume:
+        engine.load_checkpoint(directory)
+        first = engine.global_steps
+    losses = []
+    for step in range(first, 6):
+        loss = engine(*_batch(step, comm.rank))
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+        if step + 1 == save_at:
+            engine.save_checkpoint(directory)
+    residuals = {
+        layout.index: layout.chunks[EF_RESIDUAL].payload.clone()
+        for layout in engine.params.trainable_layouts()
+        if EF_RESIDUAL in layout.chunks
+    }
+    return {"losses": losses, "residuals": residuals, "steps": engine.global_steps}
 
 
-def test_a_checkpoint_with_error_feedback_is_refused_before_writing(tmp_path) -> None:
-    target = tmp_path / "ckpt"
-    assert run_threads(save_with_error_feedback, 2, str(target), timeout_s=30) == ["refused"] * 2
-    assert not target.exists()
-    assert not list(tmp_path.iterdir())
+@pytest.mark.parametrize("method", ["onebit", "powersgd"])
+def test_a_resumed_run_with_error_feedback_equals_the_uninterrupted_one(
+    method: str, tmp_path
+) -> None:
+    """Residuals (and PowerSGD's Q) are saved and loaded: the resumed steps are the
+    uninterrupted run's to the bit."""
+    compression = {"type": method}
+    target = str(tmp_path / "ckpt")
+    whole = run_ranks(
+        train_and_checkpoint, 2, compression, target, 3, False, timeout_s=60, deadline_s=120
+    )
+    resumed = run_ranks(
+        train_and_checkpoint, 2, compression, target, None, True, timeout_s=60, deadline_s=120
+    )
+    for rank in range(2):
+        assert resumed[rank]["losses"] == whole[rank]["losses"][3:]
+        for index, residual in whole[rank]["residuals"].items():
+            assert torch.equal(resumed[rank]["residuals"][index], residual)
+
+
+def saved_residuals(comm, directory: str) -> dict:
+    engine = _engine(comm, {"type": "onebit"}, 2, precision="bf16", chunk={"size": 512})
+    for step in range(2):
+        engine.backward(engine(*_batch(step, comm.rank)))
+        engine.step()
+    engine.save_checkpoint(directory)
+    return _residuals_by_parameter(engine)
+
+
+def _residuals_by_parameter(engine) -> dict[str, torch.Tensor]:
+    return {
+        slot.name: layout.chunks[EF_RESIDUAL]
+        .payload[slot.offset : slot.offset + slot.numel]
+        .clone()
+        for layout in engine.params.trainable_layouts()
+        if EF_RESIDUAL in layout.chunks
+        for slot in layout.slots
+    }
+
+
+def test_residuals_reshard_from_two_ranks_to_one_keeping_their_sum(tmp_path) -> None:
+    """What the gradients owe is the sum of the ranks' residuals: one rank loading two ranks'
+    checkpoint holds exactly their sum."""
+    target = str(tmp_path / "ckpt")
+    saved = run_ranks(saved_residuals, 2, target, timeout_s=60, deadline_s=120)
+    loaded = run_ranks(load_residuals, 1, target, timeout_s=60, deadline_s=120)[0]
+    assert loaded.keys() == saved[0].keys()
+    for name, value in loaded.items():
+        assert torch.equal(value, saved[0][name] + saved[1][name]), name
+
+
+def load_residuals(comm, directory: str) -> dict:
+    engine = _engine(comm, {"type": "onebit"}, 2, precision="bf16", chunk={"size": 512})
+    engine.load_checkpoint(directory)
+    return _residuals_by_parameter(engine)
+
+
+def test_a_checkpoint_with_residuals_does_not_load_without_compression(tmp_path) -> None:
+    target = str(tmp_path / "ckpt")
+    run_ranks(saved_residuals, 2, target, timeout_s=60, deadline_s=120)
+    with pytest.raises(Exception, match="'onebit' in the checkpoint, 'none' in the engine"):
+        run_ranks(load_without_compression, 2, target, timeout_s=60, deadline_s=120)
+
+
+def load_without_compression(comm, directory: str) -> None:
+    engine = _engine(comm, {"type": "none"}, 2, precision="bf16", chunk={"size": 512})
+    engine.load_checkpoint(directory)

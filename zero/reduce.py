@@ -27,7 +27,7 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.costs import DeviceBytes, ReducerCosts, Traffic
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
-from chunkmem.sharding import GradReducer, Sharding, Waitable
+from chunkmem.sharding import GradReducer, ReducerState, Sharding, Waitable
 from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
@@ -174,8 +174,9 @@ class ReduceScatterGrads(GradReducer):
         sharding: Sharding,
         reduction: GradientReduction,
         overlap: bool,
+        state: ReducerState | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(state)
         self.params = params
         self.residency = residency
         self.sharding = sharding

@@ -35,7 +35,6 @@ from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
 from zero.compression import build_compressed_reduction
-from zero.compression.residuals import Residuals
 from zero.gather import (
     ExactAllGather,
     ExactAllGatherCosts,
@@ -279,17 +278,18 @@ class ZeroStrategy(Strategy):
                 choice.gradient_block,
                 choice.reduce_phase,
             )
+        state = None
         if self.compression.type != "none":
-            reduction = build_compressed_reduction(
+            reduction, state = build_compressed_reduction(
                 self.compression,
                 self.comm,
                 self._wire_buffers(residency),
-                Residuals(residency),
+                params,
                 choice.reduce_phase,
                 exact=reduction,
             )
         return ReduceScatterGrads(
-            params, residency, self.sharding, reduction, overlap=choice.overlap
+            params, residency, self.sharding, reduction, overlap=choice.overlap, state=state
         )
 
     @staticmethod

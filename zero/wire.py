@@ -130,6 +130,7 @@ class WireBuffers(BufferPool[torch.Tensor]):
     """Reusable uint8 buffers on the compute device, accounted as workspaces (see the note)."""
 
     def __init__(self, residency: Residency, keep_idle: int = 4) -> None:
+        self.residency = residency
         super().__init__(
             lambda nbytes: residency.allocate_workspace(
                 nbytes, torch.uint8, residency.compute, set()

@@ -46,7 +46,6 @@ from chunkmem.checkpoint.run_state import (
     restore_rng_state,
     rng_state,
 )
-from chunkmem.config import ERROR_FEEDBACK_METHODS
 from chunkmem.errors import CheckpointError
 from chunkmem.params import ParamStore
 from chunkmem.tiers import StorageTier
@@ -63,7 +62,6 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike, client_state: 
     """Write ``engine``'s training state to the new directory ``directory``; every rank
     calls it between optimizer steps. Returns the directory's absolute path."""
     target = Path(os.path.abspath(directory))
-    _refuse_unsaved_compression_state(engine)
     params, sharding = engine.params, engine.params.sharding
     if not params.all_packed:  # saved before the first forward
         params.pack_remaining(engine.residency.tiers.spill)
@@ -78,6 +76,8 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike, client_state: 
     }
     counts = step_counts(params, engine.optimizer, functools.partial(owned_span, params))
     state_dict.update({step_key(slot.name): count for slot, count in counts.items()})
+    if engine.reducer.state is not None:
+        state_dict.update(engine.reducer.state.saved())
     access = ChunkAccess(engine.residency, writing=False)
     # One writer thread and no copy-ahead: boxes are resolved in plan order (see ChunkAccess).
     writer = dcp.FileSystemWriter(
@@ -99,19 +99,6 @@ def save_checkpoint(engine: Engine, directory: str | os.PathLike, client_state: 
         access.release()
     commit.finish(temporary, target, manifest, sharding)
     return target
-
-
-def _refuse_unsaved_compression_state(engine: Engine) -> None:
-    """Error feedback's residuals and PowerSGD's warm starts are not written yet: refuse before
-    anything is, instead of a checkpoint that resumes without them."""
-    method = engine.config.compression.type
-    if method in ERROR_FEEDBACK_METHODS:
-        raise CheckpointError(
-            f"compression.type {method!r} keeps error-feedback state (each rank's residual"
-            f"{', and the warm-started Q' if method == 'powersgd' else ''}) that checkpoints do "
-            f"not save yet; nothing was written. Train with compression.type 'terngrad' or "
-            f"'none' where you need checkpoints"
-        )
 
 
 def prepare_load(engine: Engine, directory: str | os.PathLike) -> Callable[[], Any]:
@@ -142,6 +129,11 @@ def _load(engine: Engine, path: Path, saved: dict[str, Any]) -> Any:
     state_dict.update({step_key(slot.name): count for slot, count in counts.items()})
     if same_world:
         state_dict[rng_key] = None
+    reducer_state, saved_reducer_state = engine.reducer.state, saved.get("reducer_state")
+    requested = {}
+    if reducer_state is not None and saved_reducer_state is not None:
+        requested = reducer_state.requested(saved_reducer_state, saved["world_size"])
+        state_dict.update(requested)
     access = ChunkAccess(engine.residency, writing=True)
     try:
         with _dcp_world(sharding.world_size):
@@ -155,6 +147,9 @@ def _load(engine: Engine, path: Path, saved: dict[str, Any]) -> Any:
     finally:
         access.release()
     engine.optimizer.step_counts.update(counts)
+    if reducer_state is not None and saved_reducer_state is not None:
+        loaded = {key: state_dict[key] for key in requested}
+        reducer_state.restore(loaded, saved_reducer_state, saved["world_size"])
     restore_engine_state(engine, state_dict["engine"])
     if same_world:
         restore_rng_state(state_dict[rng_key])

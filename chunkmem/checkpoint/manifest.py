@@ -76,6 +76,7 @@ def describe(engine: Engine) -> dict[str, Any]:
         "buffers": buffers,
         "state_dict": keys,
         "config": config.model_dump(mode="json"),
+        "reducer_state": None if engine.reducer.state is None else engine.reducer.state.describe(),
     }
 
 
@@ -102,6 +103,13 @@ def differences(saved: dict[str, Any], engine: dict[str, Any]) -> list[str]:
         problems.append(
             f"optimizer param groups: {saved['param_groups']} in the checkpoint, "
             f"{engine['param_groups']} in the engine"
+        )
+    saved_state, engine_state = saved.get("reducer_state"), engine["reducer_state"]
+    if saved_state is not None and saved_state["method"] != (engine_state or {}).get("method"):
+        problems.append(
+            f"gradient compression state: {saved_state['method']!r} in the checkpoint, "
+            f"{(engine_state or {}).get('method', 'none')!r} in the engine (config key "
+            f"'compression.type'; its error-feedback residuals would be dropped)"
         )
     problems += _compare_named(
         "parameter",

@@ -3,10 +3,12 @@
 the exact reduce-scatter, at ZeRO stages 1-3, with nothing else in the engine changed.
 
 - ``onebit``: sign and one scale per block with error feedback (``blockwise``);
-- ``terngrad``: stochastic ternary, unbiased, stateless (``blockwise``);
+- ``terngrad``: stochastic ternary, unbiased, no residual (``blockwise``);
 - ``powersgd``: rank-r approximations with error feedback and warm starts (``powersgd``).
 
-``compression.warmup_steps`` reduces exactly before compressing (:class:`WarmedUp`).
+:class:`Scheduled` counts the steps the compressor has seen (a checkpoint keeps the count, so
+a resumed run's warm-up and TernGrad's draws continue where they were) and reduces exactly for
+the first ``compression.warmup_steps`` of them.
 """
 
 from __future__ import annotations
@@ -15,44 +17,63 @@ import torch
 
 from chunkmem.chunk import ChunkLayout
 from chunkmem.config import CompressionConfig
+from chunkmem.params import ParamStore
 from chunkmem.sharding import Waitable
 from zero.comm import Communicator
 from zero.compression.blockwise import BlockCode, BlockCodeReduceScatter
 from zero.compression.powersgd import PowerSGDReduceScatter, PowerSGDSettings
 from zero.compression.residuals import Residuals
+from zero.compression.state import CompressionState, StepCounter
+from zero.reduce import GradientReduction
 from zero.wire import WireBuffers
 
-__all__ = ["WarmedUp", "build_compressed_reduction"]
+__all__ = ["Scheduled", "build_compressed_reduction"]
 
 
-class WarmedUp:
-    """``compressed`` from step ``steps`` on (``comm.tag``, the step this process is in),
-    ``exact`` before it."""
+class Scheduled:
+    """Advances ``counter`` on the first launch of each step (the communicator's tag changes
+    once a cycle), then launches ``exact`` for the first ``warmup_steps`` steps and
+    ``compressed`` after."""
 
-    def __init__(self, comm: Communicator, steps: int, exact, compressed) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        counter: StepCounter,
+        warmup_steps: int,
+        exact: GradientReduction,
+        compressed: GradientReduction,
+    ) -> None:
         self.comm = comm
-        self.steps = steps
+        self.counter = counter
+        self.warmup_steps = warmup_steps
         self.exact = exact
         self.compressed = compressed
 
     def launch(self, layout: ChunkLayout, full: torch.Tensor, shard: torch.Tensor) -> Waitable:
-        reduction = self.exact if self.comm.tag < self.steps else self.compressed
-        return reduction.launch(layout, full, shard)
+        self.counter.observe(self.comm.tag)
+        warming = self.counter.steps <= self.warmup_steps
+        return (self.exact if warming else self.compressed).launch(layout, full, shard)
 
 
 def build_compressed_reduction(
     config: CompressionConfig,
     comm: Communicator,
     wire: WireBuffers,
-    residuals: Residuals,
+    params: ParamStore,
     phase: str,
-    exact,
-):
-    """The reduction ``config`` asks for, exact during its warm-up."""
+    exact: GradientReduction,
+) -> tuple[GradientReduction, CompressionState]:
+    """The reduction ``config`` asks for (exact during its warm-up), and the state it keeps
+    across steps, for checkpoints."""
+    residuals = Residuals(wire.residency)
+    counter = StepCounter()
+    warm_q: dict[str, torch.Tensor] = {}
+    compressed: GradientReduction
     if config.type == "powersgd":
         settings = PowerSGDSettings(config.rank, config.min_compression_rate, config.seed)
         q_group = comm.new_group("powersgd_q", range(comm.size))
-        compressed = PowerSGDReduceScatter(comm, wire, residuals, settings, phase, q_group)
+        powersgd = PowerSGDReduceScatter(comm, wire, residuals, settings, phase, q_group)
+        warm_q, compressed = powersgd.warm_q, powersgd
     else:
         code = BlockCode(
             "onebit" if config.type == "onebit" else "ternary",
@@ -60,7 +81,6 @@ def build_compressed_reduction(
             config.clip_sigma if config.type == "terngrad" else 0.0,
             config.seed,
         )
-        compressed = BlockCodeReduceScatter(comm, wire, residuals, code, phase)
-    if not config.warmup_steps:
-        return compressed
-    return WarmedUp(comm, config.warmup_steps, exact, compressed)
+        compressed = BlockCodeReduceScatter(comm, wire, residuals, code, phase, counter)
+    state = CompressionState(config.type, params, residuals, comm.rank, warm_q, counter)
+    return Scheduled(comm, counter, config.warmup_steps, exact, compressed), state

@@ -31,6 +31,7 @@ from chunkmem.chunk import Chunk, ChunkLayout
 from kernels import compression as codes_ops
 from zero.comm import Communicator, Handle
 from zero.compression.residuals import Residuals
+from zero.compression.state import StepCounter
 from zero.wire import WireBuffers, aligned, carve
 
 
@@ -78,8 +79,10 @@ class BlockCodeReduceScatter:
         residuals: Residuals,
         code: BlockCode,
         phase: str,
+        counter: StepCounter,
     ) -> None:
         self.comm = comm
+        self.counter = counter
         self.wire = wire
         self.residuals = residuals
         self.code = code
@@ -89,10 +92,10 @@ class BlockCodeReduceScatter:
         return _BlockWork(self, layout, full, shard)
 
     def seed_for(self, layout: ChunkLayout) -> int:
-        """TernGrad's seed: its own per rank, layout and step (``comm.tag``), so ranks and steps
-        draw independent roundings, reproducibly."""
+        """TernGrad's seed: its own per rank, layout and step (the compressor's step count,
+        which checkpoints keep), so ranks and steps draw independent roundings, reproducibly."""
         comm = self.comm
-        key = f"{self.code.seed}:{comm.tag}:{layout.index}:{comm.rank}"
+        key = f"{self.code.seed}:{self.counter.steps}:{layout.index}:{comm.rank}"
         return zlib.crc32(key.encode())
 
 

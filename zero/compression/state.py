@@ -1,0 +1,142 @@
+"""A compressor's state in checkpoints: each rank's error-feedback residual, and PowerSGD's
+warm-started ``Q`` (a :class:`chunkmem.sharding.ReducerState`).
+
+Keys: ``ef_residual.rank{r}.{parameter}`` (rank ``r``'s residual of that parameter, fp32) and
+``powersgd_q.{parameter}`` (the same on every rank, saved by rank 0).
+
+[Note: resharding residuals] A residual is what one rank's gradients still owe the sum, so what
+must survive a change of world size is the sum over ranks, not each rank's part. Loaded on
+``W'`` ranks from ``W``, rank ``r'`` takes the sum of the saved residuals of ranks ``r`` with
+``r % W' == r'`` (ranks beyond the saved world take none): every saved residual lands on exactly
+one rank, so the sum is kept exactly (2 -> 1: rank 0 gets both). On the same world size each
+rank gets its own back, and the run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from chunkmem.params import ParamStore
+from zero.compression.residuals import Residuals
+from zero.kinds import EF_RESIDUAL
+
+RESIDUAL_KEY = "ef_residual.rank{rank}.{name}"
+Q_KEY = "powersgd_q.{name}"
+
+
+class StepCounter:
+    """The steps a compressor has reduced in: one more on each new communicator tag (the
+    engine sets a new one every cycle). Warm-up and TernGrad's draws follow it, and a
+    checkpoint keeps it, so a resumed run continues the count instead of restarting it."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._tag: int | None = None
+
+    def observe(self, tag: int) -> None:
+        if tag != self._tag:
+            self._tag = tag
+            self.steps += 1
+
+    def restore(self, steps: int) -> None:
+        self.steps, self._tag = steps, None
+
+
+class CompressionState:
+    """The state of ``method`` on this rank: ``residuals`` (none for TernGrad), ``warm_q``
+    (PowerSGD's, by parameter name) and the step ``counter``."""
+
+    def __init__(
+        self,
+        method: str,
+        params: ParamStore,
+        residuals: Residuals,
+        rank: int,
+        warm_q: dict[str, torch.Tensor],
+        counter: StepCounter,
+    ) -> None:
+        self.method = method
+        self.params = params
+        self.residuals = residuals
+        self.rank = rank
+        self.warm_q = warm_q
+        self.counter = counter
+
+    def _with_residuals(self):
+        return [
+            layout for layout in self.params.trainable_layouts() if EF_RESIDUAL in layout.chunks
+        ]
+
+    def describe(self) -> dict[str, Any]:
+        """For the manifest: the method, the parameters with residuals (numel), and each
+        ``Q``'s shape."""
+        return {
+            "method": self.method,
+            "residuals": {
+                slot.name: slot.numel for layout in self._with_residuals() for slot in layout.slots
+            },
+            "warm_q": {name: list(q.shape) for name, q in sorted(self.warm_q.items())},
+            "steps": self.counter.steps,
+        }
+
+    def saved(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for layout in self._with_residuals():
+            chunk = self.residuals.acquire(layout)
+            try:
+                for slot in layout.slots:
+                    values = chunk.payload[slot.offset : slot.offset + slot.numel]
+                    out[RESIDUAL_KEY.format(rank=self.rank, name=slot.name)] = values.to(
+                        "cpu", copy=True
+                    )
+            finally:
+                Residuals.release(chunk)
+        if self.rank == 0:
+            for name, q in self.warm_q.items():
+                out[Q_KEY.format(name=name)] = q.to("cpu", copy=True)
+        return out
+
+    def _sources(self, saved_world: int) -> list[int]:
+        """The saved ranks whose residuals this rank takes (see the note)."""
+        world = self.params.sharding.world_size
+        return [r for r in range(saved_world) if r % world == self.rank]
+
+    def requested(self, saved: dict[str, Any], saved_world: int) -> dict[str, torch.Tensor]:
+        out = {
+            RESIDUAL_KEY.format(rank=r, name=name): torch.empty(numel)
+            for r in self._sources(saved_world)
+            for name, numel in saved["residuals"].items()
+        }
+        for name, shape in saved["warm_q"].items():
+            out[Q_KEY.format(name=name)] = torch.empty(shape)
+        return out
+
+    def restore(
+        self, loaded: dict[str, torch.Tensor], saved: dict[str, Any], saved_world: int
+    ) -> None:
+        names = saved["residuals"]
+        sources = self._sources(saved_world)
+        for layout in self.params.trainable_layouts():
+            if not any(slot.name in names for slot in layout.slots):
+                continue
+            chunk = self.residuals.acquire(layout)
+            try:
+                chunk.payload.zero_()
+                for slot in layout.slots:
+                    if slot.name not in names:
+                        continue
+                    span = chunk.payload[slot.offset : slot.offset + slot.numel]
+                    parts = [loaded[RESIDUAL_KEY.format(rank=r, name=slot.name)] for r in sources]
+                    if parts:
+                        span.copy_(parts[0])  # one source: its own residual, bit for bit
+                    for part in parts[1:]:
+                        span.add_(part.to(span.device))
+            finally:
+                Residuals.release(chunk)
+        device = self.residuals.residency.device.torch_device
+        self.warm_q.clear()
+        for name in saved["warm_q"]:
+            self.warm_q[name] = loaded[Q_KEY.format(name=name)].to(device)
+        self.counter.restore(saved["steps"])
