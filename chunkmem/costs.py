@@ -28,6 +28,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
+from chunkmem.chunk import ChunkLayout
+
 
 @dataclass(frozen=True)
 class Traffic:
@@ -135,12 +137,17 @@ class ReducerCosts:
         """Elements of this rank's reduced gradient shard of a layout (0: none)."""
         return 0
 
-    def launch(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
+    def launch(self, layout: ChunkLayout, device: DeviceBytes, label: str) -> list[Traffic]:
         """Start reducing ``layout``'s gradient chunk: its traffic; buffers it holds while in
-        flight are added to ``device``."""
+        flight, and state it keeps from then on, are added to ``device``."""
         raise AssertionError(f"{type(self).__name__} reduces nothing")
 
-    def complete(self, layout: int, device: DeviceBytes, label: str) -> None:
+    def held_state(self) -> dict[str, int]:
+        """State the reductions launched so far keep across iterations, by ledger kind (a
+        compressor's residuals): there from the start of every later iteration."""
+        return {}
+
+    def complete(self, layout: ChunkLayout, device: DeviceBytes, label: str) -> None:
         """The reduction of ``layout`` completed: what it held goes back."""
 
     def step_traffic(self, num_params: int) -> list[Traffic]:

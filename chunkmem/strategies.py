@@ -35,13 +35,6 @@ def strategy_costs(config: Config, world_size: int, node_size: int, itemsize: in
                 f"process; set zero.stage to 1, 2 or 3 for several ranks"
             )
         return StrategyCosts(ShardingCosts(), GathererCosts(), ReducerCosts())
-    if config.compression.type != "none":
-        raise ConfigError(
-            f"compression.type {config.compression.type!r}: the estimate does not model gradient "
-            f"compression yet (its wire bytes and error-feedback residuals); estimate without "
-            f"the compression section for the other bytes, and add a full layout's fp32 "
-            f"residual per rank for onebit and powersgd"
-        )
     from zero.strategy import ZeroStrategy
 
-    return ZeroStrategy.costs(config.zero, world_size, node_size, itemsize)
+    return ZeroStrategy.costs(config.zero, world_size, node_size, itemsize, config.compression)

@@ -137,7 +137,8 @@ MODELLED = {
     "chunk.max_fraction_of_capacity", "placement.unit_elements", "zero.stage", "zero.backend",
     "zero.transport", "zero.node_size", "zero.quantized_weights",
     "zero.quantized_weights_block_size", "zero.hpz_partition_size", "zero.quantized_gradients",
-    "zero.quantized_gradients_block_size", "compression.type", "offload.optimizer", "offload.optimizer_ratio",
+    "zero.quantized_gradients_block_size", "compression.type", "compression.block_size", "compression.rank",
+    "compression.min_compression_rate", "offload.optimizer", "offload.optimizer_ratio",
     "offload.state_dtype", "offload.overlap", "offload.speculation_bytes", "offload.nvme.path",
     "offload.nvme.block_size", "offload.nvme.io_threads",
 }  # fmt: skip
@@ -182,17 +183,9 @@ NOT_NEEDED = {
         "which chunks move under a budget below the peak: the estimate gives the peak and the "
         "minimum device, not that traffic",
     ),
+    "compression.warmup_steps": "the estimate models the steady step, after the warm-up",
     **dict.fromkeys(
-        [
-            "compression.block_size",
-            "compression.rank",
-            "compression.min_compression_rate",
-            "compression.warmup_steps",
-            "compression.clip_sigma",
-            "compression.seed",
-        ],
-        "the estimate refuses every compression.type but none (chunkmem/strategies.py) until it "
-        "models compression",
+        ["compression.clip_sigma", "compression.seed"], "values sent, not their number of bytes"
     ),
     "zero.timeout_s": "a deadline",
     "offload.optimizer_threads": "threads, not bytes",

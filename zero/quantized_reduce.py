@@ -186,16 +186,16 @@ class HierarchicalQuantizedReduceScatterCosts:
         self.itemsize = itemsize
         self.phase = phase
 
-    def _slice(self, capacity: int) -> tuple[int, int]:
-        n = capacity // self.topology.world_size
+    def _slice(self, layout: ChunkLayout) -> tuple[int, int]:
+        n = layout.capacity // self.topology.world_size
         return n, kernels.slice_numel(n, 1, self.block_size)
 
     def _sent_nbytes(self, numel: int) -> int:
         return data_nbytes(numel, self.bits) + 4 * num_groups(numel, self.block_size)
 
-    def traffic(self, capacity: int) -> list[Traffic]:
+    def traffic(self, layout: ChunkLayout) -> list[Traffic]:
         topology = self.topology
-        _n, s = self._slice(capacity)
+        _n, s = self._slice(layout)
         intra = self._sent_nbytes(topology.world_size * s)
         inter = self._sent_nbytes(topology.nodes * s)
         return [
@@ -203,7 +203,10 @@ class HierarchicalQuantizedReduceScatterCosts:
             collective_traffic("all_to_all", inter, 1, topology, topology.cross, self.phase),
         ]
 
-    def buffer_bytes(self, capacity: int) -> int:
-        n, s = self._slice(capacity)
+    def buffer_bytes(self, layout: ChunkLayout) -> int:
+        n, s = self._slice(layout)
         parts = buffer_parts(self.topology, n, s, self.bits, self.block_size, self.itemsize)
         return sum(aligned(size) for size in parts)
+
+    def state_bytes(self, layout: ChunkLayout) -> dict[str, int]:
+        return {}

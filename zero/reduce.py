@@ -19,6 +19,7 @@ to :class:`ReduceScatterGrads` by ``zero.strategy``; nothing else changes (docs/
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Protocol
 
 import torch
@@ -75,13 +76,16 @@ class ExactReduceScatter:
 
 
 class GradientReductionCosts(Protocol):
-    """The cost model of a :class:`GradientReduction`: the traffic of reducing a gradient
-    chunk of ``capacity`` elements, and the bytes of wire buffer it asks the pool for while in
-    flight (0: none)."""
+    """The cost model of a :class:`GradientReduction`: the traffic of reducing ``layout``'s
+    gradient chunk, the bytes of wire buffer it asks the pool for while in flight (0: none),
+    and the state it keeps from its first reduction of the layout on, by ledger kind (a
+    compressor's residual)."""
 
-    def traffic(self, capacity: int) -> list[Traffic]: ...
+    def traffic(self, layout: ChunkLayout) -> list[Traffic]: ...
 
-    def buffer_bytes(self, capacity: int) -> int: ...
+    def buffer_bytes(self, layout: ChunkLayout) -> int: ...
+
+    def state_bytes(self, layout: ChunkLayout) -> dict[str, int]: ...
 
 
 class ExactReduceScatterCosts:
@@ -92,16 +96,24 @@ class ExactReduceScatterCosts:
         self.itemsize = itemsize
         self.phase = phase
 
-    def traffic(self, capacity: int) -> list[Traffic]:
+    def traffic(self, layout: ChunkLayout) -> list[Traffic]:
         topology = self.topology
         return [
             collective_traffic(
-                "reduce_scatter", capacity, self.itemsize, topology, topology.world, self.phase
+                "reduce_scatter",
+                layout.capacity,
+                self.itemsize,
+                topology,
+                topology.world,
+                self.phase,
             )
         ]
 
-    def buffer_bytes(self, capacity: int) -> int:
+    def buffer_bytes(self, layout: ChunkLayout) -> int:
         return 0
+
+    def state_bytes(self, layout: ChunkLayout) -> dict[str, int]:
+        return {}
 
 
 class Reduction:
@@ -345,18 +357,28 @@ class ReduceScatterGradsCosts(ReducerCosts):
         self.pool = pool
         self.in_backward = self.transient = overlap
         self._in_flight: dict[int, PooledBytes] = {}
+        self._with_state: set[int] = set()
+        self._state: Counter[str] = Counter()
 
     def shard_elements(self, capacity: int) -> int:
         return capacity // self.topology.world_size
 
-    def launch(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
-        wire = self.reduction.buffer_bytes(capacity)
+    def launch(self, layout: ChunkLayout, device: DeviceBytes, label: str) -> list[Traffic]:
+        if layout.index not in self._with_state:
+            self._with_state.add(layout.index)
+            for kind, nbytes in self.reduction.state_bytes(layout).items():
+                device.add(kind, nbytes, label)
+                self._state[kind] += nbytes
+        wire = self.reduction.buffer_bytes(layout)
         if wire:
-            self._in_flight[layout] = self.pool.take(wire, device, label)
-        return self.reduction.traffic(capacity)
+            self._in_flight[layout.index] = self.pool.take(wire, device, label)
+        return self.reduction.traffic(layout)
 
-    def complete(self, layout: int, device: DeviceBytes, label: str) -> None:
-        buffer = self._in_flight.pop(layout, None)
+    def held_state(self) -> dict[str, int]:
+        return dict(self._state)
+
+    def complete(self, layout: ChunkLayout, device: DeviceBytes, label: str) -> None:
+        buffer = self._in_flight.pop(layout.index, None)
         if buffer is not None:
             self.pool.give(buffer, device, label)
 

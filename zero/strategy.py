@@ -34,7 +34,7 @@ from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Strate
 from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
-from zero.compression import build_compressed_reduction
+from zero.compression import build_compressed_reduction, compressed_reduction_costs
 from zero.gather import (
     ExactAllGather,
     ExactAllGatherCosts,
@@ -294,7 +294,11 @@ class ZeroStrategy(Strategy):
 
     @staticmethod
     def costs(
-        config: ZeroConfig, world_size: int, node_size: int, itemsize: int
+        config: ZeroConfig,
+        world_size: int,
+        node_size: int,
+        itemsize: int,
+        compression: CompressionConfig | None = None,
     ) -> ZeroStrategyCosts:
         """The cost models of the seams :meth:`gatherer` and :meth:`reducer` build for
         ``config`` on ``world_size`` ranks of ``node_size`` per node (``chunkmem.costs``)."""
@@ -321,6 +325,8 @@ class ZeroStrategy(Strategy):
             reduction = HierarchicalQuantizedReduceScatterCosts(
                 topology, choice.gradient_bits, choice.gradient_block, itemsize, choice.reduce_phase
             )
+        if compression is not None and compression.type != "none":
+            reduction = compressed_reduction_costs(compression, topology, choice.reduce_phase)
         reducer: ReducerCosts = ReduceScatterGradsCosts(topology, reduction, pool, choice.overlap)
         sharding = ZeroShardingCosts(choice.stage, topology)
         return ZeroStrategyCosts(sharding, gatherer, reducer, pool, choice)

@@ -207,6 +207,8 @@ class _Simulation:
         device = self.device
         device.add("param", self.param_bytes(), "start")
         device.add(WORKSPACE, self.costs.held_bytes(), "start")
+        for kind, nbytes in self.reducer.held_state().items():
+            device.add(kind, nbytes, "start")
         device.add("optimizer states", state_bytes_on_device, "start")
         grads: set[int] = set()
         for micro in range(self.accumulation):
@@ -334,7 +336,7 @@ class _Simulation:
             grads.add(layout)
             self.device.add("grad", self.capacity(layout) * self.itemsize, label)
         self.device.add("grad_shard", self.shard(layout) * self.itemsize, label)
-        self._send(self.reducer.launch(layout, self.capacity(layout), self.device, label))
+        self._send(self.reducer.launch(self.packed.layouts[layout], self.device, label))
         launched.append(layout)
         reduced.add(layout)
 
@@ -352,7 +354,7 @@ class _Simulation:
     def _complete(self, grads: set[int], layout: int, label: str) -> None:
         grads.discard(layout)
         self.device.add("grad", -self.capacity(layout) * self.itemsize, label)
-        self.reducer.complete(layout, self.device, label)
+        self.reducer.complete(self.packed.layouts[layout], self.device, label)
 
     def _step(self, grads: set[int]) -> None:
         device, reducer = self.device, self.reducer

@@ -20,14 +20,23 @@ from chunkmem.config import CompressionConfig
 from chunkmem.params import ParamStore
 from chunkmem.sharding import Waitable
 from zero.comm import Communicator
-from zero.compression.blockwise import BlockCode, BlockCodeReduceScatter
-from zero.compression.powersgd import PowerSGDReduceScatter, PowerSGDSettings
+from zero.compression.blockwise import (
+    BlockCode,
+    BlockCodeReduceScatter,
+    BlockCodeReduceScatterCosts,
+)
+from zero.compression.powersgd import (
+    PowerSGDReduceScatter,
+    PowerSGDReduceScatterCosts,
+    PowerSGDSettings,
+)
 from zero.compression.residuals import Residuals
 from zero.compression.state import CompressionState, StepCounter
-from zero.reduce import GradientReduction
+from zero.reduce import GradientReduction, GradientReductionCosts
+from zero.topology import Topology
 from zero.wire import WireBuffers
 
-__all__ = ["Scheduled", "build_compressed_reduction"]
+__all__ = ["Scheduled", "build_compressed_reduction", "compressed_reduction_costs"]
 
 
 class Scheduled:
@@ -70,17 +79,34 @@ def build_compressed_reduction(
     warm_q: dict[str, torch.Tensor] = {}
     compressed: GradientReduction
     if config.type == "powersgd":
-        settings = PowerSGDSettings(config.rank, config.min_compression_rate, config.seed)
-        q_group = comm.new_group("powersgd_q", range(comm.size))
-        powersgd = PowerSGDReduceScatter(comm, wire, residuals, settings, phase, q_group)
+        powersgd = PowerSGDReduceScatter(comm, wire, residuals, _powersgd_settings(config), phase)
         warm_q, compressed = powersgd.warm_q, powersgd
     else:
-        code = BlockCode(
-            "onebit" if config.type == "onebit" else "ternary",
-            config.block_size,
-            config.clip_sigma if config.type == "terngrad" else 0.0,
-            config.seed,
+        compressed = BlockCodeReduceScatter(
+            comm, wire, residuals, _block_code(config), phase, counter
         )
-        compressed = BlockCodeReduceScatter(comm, wire, residuals, code, phase, counter)
     state = CompressionState(config.type, params, residuals, comm.rank, warm_q, counter)
     return Scheduled(comm, counter, config.warmup_steps, exact, compressed), state
+
+
+def compressed_reduction_costs(
+    config: CompressionConfig, topology: Topology, phase: str
+) -> GradientReductionCosts:
+    """The cost model of the reduction :func:`build_compressed_reduction` builds, in its
+    steady state (after the warm-up)."""
+    if config.type == "powersgd":
+        return PowerSGDReduceScatterCosts(topology, _powersgd_settings(config), phase)
+    return BlockCodeReduceScatterCosts(topology, _block_code(config), phase)
+
+
+def _powersgd_settings(config: CompressionConfig) -> PowerSGDSettings:
+    return PowerSGDSettings(config.rank, config.min_compression_rate, config.seed)
+
+
+def _block_code(config: CompressionConfig) -> BlockCode:
+    return BlockCode(
+        "onebit" if config.type == "onebit" else "ternary",
+        config.block_size,
+        config.clip_sigma if config.type == "terngrad" else 0.0,
+        config.seed,
+    )

@@ -28,10 +28,14 @@ from dataclasses import dataclass
 import torch
 
 from chunkmem.chunk import Chunk, ChunkLayout
+from chunkmem.costs import Traffic
 from kernels import compression as codes_ops
 from zero.comm import Communicator, Handle
+from zero.comm_ledger import collective_traffic
 from zero.compression.residuals import Residuals
 from zero.compression.state import StepCounter
+from zero.kinds import EF_RESIDUAL
+from zero.topology import Topology
 from zero.wire import WireBuffers, aligned, carve
 
 
@@ -211,3 +215,33 @@ def _clip(layout: ChunkLayout, flat: torch.Tensor, sigmas: float) -> None:
         values = flat[slot.offset : slot.offset + slot.numel]
         bound = float(values.std()) * sigmas
         values.clamp_(-bound, bound)
+
+
+class BlockCodeReduceScatterCosts:
+    """:class:`BlockCodeReduceScatter`'s costs: one all-to-all of codes and scales on the world,
+    one pooled buffer of :func:`buffer_parts`, and (1-bit) a whole fp32 residual per layout."""
+
+    def __init__(self, topology: Topology, code: BlockCode, phase: str) -> None:
+        self.topology = topology
+        self.code = code
+        self.phase = phase
+
+    def _shard(self, layout: ChunkLayout) -> int:
+        return layout.capacity // self.topology.world_size
+
+    def traffic(self, layout: ChunkLayout) -> list[Traffic]:
+        topology = self.topology
+        world = topology.world_size
+        codes, scales = self.code.sent_nbytes(world * self.code.slice_numel(self._shard(layout)))
+        return [
+            collective_traffic(
+                "all_to_all", codes + scales, 1, topology, topology.world, self.phase
+            )
+        ]
+
+    def buffer_bytes(self, layout: ChunkLayout) -> int:
+        parts = buffer_parts(self.code, self.topology.world_size, self._shard(layout))
+        return sum(aligned(size) for size in parts)
+
+    def state_bytes(self, layout: ChunkLayout) -> dict[str, int]:
+        return {EF_RESIDUAL.value: 4 * layout.capacity} if self.code.error_feedback else {}

@@ -28,10 +28,15 @@ from dataclasses import dataclass
 import torch
 
 from chunkmem.chunk import Chunk, ChunkLayout, TensorSlot
-from zero.comm import Communicator, Group, Handle
+from chunkmem.costs import Traffic
+from zero.comm import Communicator, Handle
+from zero.comm_ledger import collective_traffic
 from zero.compression.residuals import Residuals
+from zero.kinds import EF_RESIDUAL
+from zero.topology import Topology
 from zero.wire import WireBuffers, aligned
 
+Q_KIND = "powersgd_q"  # the ledger's name for the warm starts' bytes
 # Added to a column's norm before dividing, so a zero gradient orthogonalizes to zeros.
 _EPS = 1e-8
 
@@ -109,10 +114,8 @@ class PowerSGDReduceScatter:
         residuals: Residuals,
         settings: PowerSGDSettings,
         phase: str,
-        q_group: Group,
     ) -> None:
         self.comm = comm
-        self.q_group = q_group
         self.wire = wire
         self.residuals = residuals
         self.settings = settings
@@ -125,15 +128,17 @@ class PowerSGDReduceScatter:
             self._plans[layout.index] = LayoutPlan.of(layout, self.settings)
         return self._plans[layout.index]
 
-    def q_for(self, matrix: Matrix, device: torch.device) -> torch.Tensor:
+    def q_for(self, matrix: Matrix) -> torch.Tensor:
         """The warm start of ``matrix``: last step's ``Q``, or a normal matrix every rank draws
-        alike from the seed and the parameter's name."""
+        alike from the seed and the parameter's name (also after a non-finite one)."""
         name = matrix.slot.name
         q = self.warm_q.get(name)
-        if q is None or not bool(torch.isfinite(q).all()):
+        if q is None:
+            q = self.warm_q[name] = new_q_buffer(self.residuals, [matrix.cols, self.settings.rank])
+            q.fill_(float("nan"))
+        if not bool(torch.isfinite(q).all()):
             generator = torch.Generator().manual_seed(self.settings.seed + _stable_hash(name))
-            q = torch.randn(matrix.cols, self.settings.rank, generator=generator).to(device)
-            self.warm_q[name] = q
+            q.copy_(torch.randn(matrix.cols, self.settings.rank, generator=generator))
         return q
 
     def launch(self, layout: ChunkLayout, full: torch.Tensor, shard: torch.Tensor) -> _PowerSGDWork:
@@ -141,13 +146,15 @@ class PowerSGDReduceScatter:
 
 
 class _PowerSGDWork:
-    """One reduction in flight: the ``P`` all-reduce launched at launch; the ``Q`` all-reduce
-    once it arrived (in ``is_completed``, overlapping backward, or in ``wait``).
+    """One reduction in flight: the ``P`` all-reduce launched at launch, the ``Q`` all-reduce
+    in ``wait``.
 
-    When a rank sees a ``P`` arrive depends on timing, so one rank may launch layout A's ``Q``
-    before layout B's ``P`` and another after it: the ``Q`` all-reduces run on a group of their
-    own (``q_group``, every rank), so each group's collectives are issued in launch order on
-    every rank, which is all a collective needs."""
+    Not earlier: when a rank sees a ``P`` arrive depends on timing, so launching ``Q`` then
+    would let one rank issue layout A's ``Q`` before layout B's ``P`` and another after it,
+    and a transport that runs a collective when it is waited for (or two groups that share
+    the peers' links) hangs. ``wait`` runs where :class:`zero.reduce.ReduceScatterGrads` retires
+    the oldest reduction beyond those in flight, the same point on every rank, because
+    ``is_completed`` says False until then."""
 
     def __init__(
         self,
@@ -177,7 +184,7 @@ class _PowerSGDWork:
                 p = self._first_values[p_at : p_at + matrix.rows * plan.rank].view(
                     matrix.rows, plan.rank
                 )
-                torch.matmul(m, owner.q_for(matrix, m.device), out=p)
+                torch.matmul(m, owner.q_for(matrix), out=p)
                 q = self._q_values[q_at : q_at + matrix.cols * plan.rank].view(
                     matrix.cols, plan.rank
                 )
@@ -197,10 +204,10 @@ class _PowerSGDWork:
             self._release()
             raise
 
-    def _all_reduce(self, values: torch.Tensor, group: Group | None = None) -> Handle:
+    def _all_reduce(self, values: torch.Tensor) -> Handle:
         owner = self._owner
         with owner.comm.serving(owner.phase):
-            return owner.comm.all_reduce(values, op="sum", group=group, async_op=True)
+            return owner.comm.all_reduce(values, op="sum", async_op=True)
 
     def _launch_second(self) -> None:
         """Step 3 and the residual of step 4, then the ``Q`` all-reduce."""
@@ -213,16 +220,10 @@ class _PowerSGDWork:
             m.sub_(p @ q.t())  # this rank's residual: what its own approximation left out
             m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if self._qs:
-            self._second = self._all_reduce(self._q_values, self._owner.q_group)
+            self._second = self._all_reduce(self._q_values)
 
     def is_completed(self) -> bool:
-        if self._buffer is None:
-            return True
-        if self._first is not None:
-            if not self._first.is_completed():
-                return False
-            self._launch_second()
-        return self._second is None or self._second.is_completed()
+        return self._buffer is None
 
     def wait(self) -> None:
         """Finish into the shard; the buffer and the residual go back whatever happens."""
@@ -244,7 +245,7 @@ class _PowerSGDWork:
         hi = lo + n
         shard.zero_()
         for matrix, p, q in zip(plan.matrices, self._ps, self._qs, strict=True):
-            owner.warm_q[matrix.slot.name] = q.clone()
+            owner.warm_q[matrix.slot.name].copy_(q)
             a, b = max(lo, matrix.slot.offset), min(hi, matrix.slot.offset + matrix.slot.numel)
             if a >= b:
                 continue
@@ -270,9 +271,50 @@ class _PowerSGDWork:
             self._owner.wire.give(buffer)
 
 
+def new_q_buffer(residuals: Residuals, shape: list[int]) -> torch.Tensor:
+    """A ``Q`` on the compute device, in the ledger as ``powersgd_q`` (it lives as long as
+    the engine: every byte the process holds is accounted)."""
+    residency = residuals.residency
+    numel = shape[0] * shape[1]
+    buffer = residency.allocate_workspace(
+        numel, torch.float32, residency.compute, set(), kind=Q_KIND
+    )
+    return buffer.view(shape)
+
+
 def _stable_hash(name: str) -> int:
     """A hash of ``name`` every process computes alike (``hash`` is salted per process)."""
     value = 0
     for byte in name.encode():
         value = (value * 131 + byte) % (2**31)
     return value
+
+
+class PowerSGDReduceScatterCosts:
+    """:class:`PowerSGDReduceScatter`'s costs, from the layout's parameter shapes: the ``P``
+    (and exact) all-reduce and the ``Q`` all-reduce in fp32, their one pooled buffer, a whole
+    fp32 residual per layout and each compressed matrix's ``Q``."""
+
+    def __init__(self, topology: Topology, settings: PowerSGDSettings, phase: str) -> None:
+        self.topology = topology
+        self.settings = settings
+        self.phase = phase
+
+    def traffic(self, layout: ChunkLayout) -> list[Traffic]:
+        topology, plan = self.topology, LayoutPlan.of(layout, self.settings)
+        world = topology.world
+        first = plan.p_numel + plan.exact_numel
+        traffic = [collective_traffic("all_reduce", first, 4, topology, world, self.phase)]
+        if plan.q_numel:
+            traffic.append(
+                collective_traffic("all_reduce", plan.q_numel, 4, topology, world, self.phase)
+            )
+        return traffic
+
+    def buffer_bytes(self, layout: ChunkLayout) -> int:
+        plan = LayoutPlan.of(layout, self.settings)
+        return aligned(4 * (plan.p_numel + plan.exact_numel)) + 4 * plan.q_numel
+
+    def state_bytes(self, layout: ChunkLayout) -> dict[str, int]:
+        plan = LayoutPlan.of(layout, self.settings)
+        return {EF_RESIDUAL.value: 4 * layout.capacity, Q_KIND: 4 * plan.q_numel}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from chunkmem.params import ParamStore
+from zero.compression.powersgd import new_q_buffer
 from zero.compression.residuals import Residuals
 from zero.kinds import EF_RESIDUAL
 
@@ -135,8 +136,8 @@ class CompressionState:
                         span.add_(part.to(span.device))
             finally:
                 Residuals.release(chunk)
-        device = self.residuals.residency.device.torch_device
-        self.warm_q.clear()
-        for name in saved["warm_q"]:
-            self.warm_q[name] = loaded[Q_KEY.format(name=name)].to(device)
+        for name, shape in saved["warm_q"].items():
+            if name not in self.warm_q:
+                self.warm_q[name] = new_q_buffer(self.residuals, shape)
+            self.warm_q[name].copy_(loaded[Q_KEY.format(name=name)])
         self.counter.restore(saved["steps"])
