@@ -46,7 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -522,9 +522,12 @@ def _watch(processes: list[subprocess.Popen], out: Path, watchdog: Watchdog) -> 
         time.sleep(0.2)
 
 
-def launch(spec: dict, cluster: Cluster | None, first_report_s: float) -> dict[str, Any]:
-    """Run ``spec`` on 4 ranks (in the cluster's namespaces if given); rank 0's results with
-    every rank's cross-node bytes summed per step and losses averaged over ranks."""
+def launch(
+    spec: dict, cluster: Cluster | None, first_report_s: float, module: str = "benchmarks.zeropp"
+) -> dict[str, Any]:
+    """Run ``spec`` on 4 ranks (in the cluster's namespaces if given), each ``python -m
+    module --worker SPEC``; rank 0's results with every rank's cross-node bytes summed per
+    step and losses averaged over ranks."""
     with tempfile.TemporaryDirectory(prefix="zeropp-") as directory:
         out = Path(directory)
         spec = {**spec, "out": directory}
@@ -546,7 +549,7 @@ def launch(spec: dict, cluster: Cluster | None, first_report_s: float) -> dict[s
                     "OMP_NUM_THREADS": "1",
                     "PYTHONPATH": str(REPO),
                 }
-                command = [sys.executable, "-m", "benchmarks.zeropp", "--worker", str(spec_path)]
+                command = [sys.executable, "-m", module, "--worker", str(spec_path)]
                 if cluster:
                     env["GLOO_SOCKET_IFNAME"] = cluster.links[node]
                     command = ["ip", "netns", "exec", cluster.namespaces[node], *command]
@@ -701,6 +704,7 @@ class Run:
     path: Path
     quick: bool
     details: dict[str, Any]
+    summarize: Callable[[dict[str, Any]], dict[str, Any]] | None = None  # default: metrics
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -724,7 +728,8 @@ class Run:
             record["wall_s"] = round(time.perf_counter() - started, 1)
             reason = f": {record['reason']}" if "reason" in record else ""
             print(f"{name}: {record['status']} in {record['wall_s']:.0f} s{reason}", flush=True)
-            write_results(self.path, metrics(self.details), self.details, self.quick)
+            summarize = self.summarize or metrics
+            write_results(self.path, summarize(self.details), self.details, self.quick)
 
     def succeeded(self) -> bool:
         return all(phase["status"] == "done" for phase in self.details["phases"].values())

@@ -1,0 +1,38 @@
+"""benchmarks/compression's arithmetic: the moving average, time to loss and the keys, on
+made-up runs (the benchmark itself needs root for its network namespaces)."""
+
+from __future__ import annotations
+
+from benchmarks.compression import METHODS, TORCH_HOOK, metrics, moving_average, time_to_loss
+
+
+def test_moving_average_warms_up_then_slides() -> None:
+    assert moving_average([4.0, 2.0, 6.0, 8.0], 2) == [4.0, 3.0, 4.0, 7.0]
+
+
+def _entry(seconds: list[float], losses: list[float]) -> dict:
+    return {"rounds": [{"step_s": seconds, "losses": losses}]}
+
+
+def test_time_to_loss_counts_the_steps_until_the_smoothed_loss_reaches_the_target() -> None:
+    entry = _entry([1.0, 2.0, 4.0, 8.0], [5.0, 3.0, 1.0, 1.0])
+    assert time_to_loss(entry, 2.0, 2) == 7.0  # smoothed: 5, 4, 2, 1
+    assert time_to_loss(entry, 0.5, 2) is None
+
+
+def test_metrics_are_the_issue_s_keys_as_ratios_to_the_uncompressed_run() -> None:
+    none = {"bytes_sent_per_step": 100, "time_to_loss_s": 10.0, "final_loss": 2.0}
+    slow = {"none": none, TORCH_HOOK: {"time_to_loss_s": 5.0}}
+    for index, method in enumerate(METHODS[1:]):
+        slow[method] = {
+            "bytes_sent_per_step": 10 * (index + 1),
+            "time_to_loss_s": None if method == "terngrad" else 20.0,
+            "final_loss": 2.2,
+        }
+    out = metrics({"rates": {"1gbit": slow}})
+    assert out["wire_bytes_ratio_vs_uncompressed_onebit"] == 0.1
+    assert out["time_to_loss_ratio_vs_uncompressed_onebit"] == 2.0
+    assert out["time_to_loss_ratio_vs_uncompressed_terngrad"] is None
+    assert abs(out["final_loss_rel_diff_vs_uncompressed_powersgd"] - 0.1) < 1e-12
+    assert out["powersgd_time_to_loss_ratio_vs_torch_hook"] == 4.0
+    assert "auto_time_ratio_vs_best_fixed" not in out
