@@ -266,6 +266,8 @@ def test_onebit_reduction_equals_the_papers_reference(stage: int) -> None:
         world = len(entries)
         n = entries[0]["full"].numel() // world
         s = -(-n // 32) * 32
+        slots = results[0]["slots"][entries[0]["layout"]]
+        used = max(offset + math.prod(shape) for offset, shape in slots.values())
         values = []
         for entry in entries:
             e = entry["full"] + entry["before"]
@@ -274,15 +276,15 @@ def test_onebit_reduction_equals_the_papers_reference(stage: int) -> None:
             codes, scales, rest = reference.onebit_compress(staged.view(-1), 32)
             values.append(reference.onebit_values(codes, scales, 32).view(world, s)[:, :n])
             want_after = rest.view(world, s)[:, :n].reshape(-1)
-            used = int((entry["full"] != 0).nonzero().max()) + 1 if entry["full"].any() else 0
             assert torch.equal(entry["after"][:used], want_after[:used])
+            assert not entry["after"][used:].any()  # the layout's padding keeps no residual
         for rank, entry in enumerate(entries):
             total = values[0][rank].clone()
             for other in values[1:]:
                 total = total + other[rank]
-            shard = entry["shard"]
-            nonzero = shard != 0
-            assert torch.equal(shard[nonzero], total[nonzero])
+            valid = max(0, min(n, used - rank * n))  # the rest of the shard is padding
+            assert torch.equal(entry["shard"][:valid], total[:valid])
+            assert not entry["shard"][valid:].any()
 
 
 def test_error_feedback_loses_nothing() -> None:
