@@ -412,6 +412,13 @@ class CompressionConfig(_Section):
         "deviations before ternarizing, as in the paper (0: off).",
     )
     seed: int = Field(0, ge=0, description="terngrad's stochastic rounding and powersgd's first Q.")
+    freeze_variance: bool = Field(
+        False,
+        description="1-bit Adam's second stage: Adam's second moment stops updating when the "
+        "warm-up ends and keeps the value the exact gradients gave it, so compressed gradients "
+        "move only the first moment. Needs warmup_steps >= 1 (the 1-bit Adam paper warms up "
+        "for 15-25% of training).",
+    )
 
     @model_validator(mode="after")
     def _block_is_power_of_two(self) -> CompressionConfig:
@@ -420,6 +427,18 @@ class CompressionConfig(_Section):
                 f"compression.block_size must be a power of two (its scale is a pairwise sum "
                 f"every backend computes in one order), got {self.block_size}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _freeze_needs_warmup(self) -> CompressionConfig:
+        if self.freeze_variance and (self.type == "none" or self.warmup_steps < 1):
+            what = (
+                "a compressed reduction (compression.type is 'none')"
+                if self.type == "none"
+                else "compression.warmup_steps >= 1 (the variance it freezes is the one the "
+                "exact warm-up steps built; with 0 it would be all zeros)"
+            )
+            raise ValueError(f"compression.freeze_variance needs {what}")
         return self
 
 

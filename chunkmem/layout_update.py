@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.frozen_adam import frozen_variance_adam_
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.sharding import Waitable
@@ -253,7 +254,9 @@ class UpdateBuilder:
             )
         exp_avgs = spans(chunks[ChunkKind.EXP_AVG], pieces)
         exp_avg_sqs = spans(chunks[ChunkKind.EXP_AVG_SQ], pieces)
-        kernel = kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
+        kernel = self._frozen_variance_kernel() or (
+            kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
+        )
         calls: list[Callable[[], None]] = []
         for group_index, positions in self._by_group([s for s, _lo, _hi in pieces]).items():
             calls.append(
@@ -377,8 +380,10 @@ class UpdateBuilder:
 
     def _fused(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
         """torch's fused kernel, one call per parameter group over aligned lists."""
+        kernel = self._frozen_variance_kernel() or (
+            torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        )
         for group_index, positions in self._by_group(slots).items():
-            kernel = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
             kernel(
                 [params[i] for i in positions],
                 [grads[i] for i in positions],
@@ -392,6 +397,17 @@ class UpdateBuilder:
                 grad_scale=grad_scale,
                 found_inf=None,
             )
+
+    def _frozen_variance_kernel(self) -> Callable[..., None] | None:
+        """The update that keeps Adam's second moment, once the reducer's schedule says it
+        is frozen (1-bit Adam's second stage); None for the usual one."""
+        variance = self.grads.reducer.variance
+        frozen = None if variance is None else variance.frozen_after()
+        if frozen is None:
+            return None
+        return functools.partial(
+            frozen_variance_adam_, decoupled=self.decoupled, frozen_steps=frozen
+        )
 
     def _hyper_parameters(self, group_index: int) -> dict[str, float]:
         """A parameter group's hyper-parameters as the fused kernels' keyword arguments (read

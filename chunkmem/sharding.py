@@ -202,16 +202,30 @@ class ReducerState(Protocol):
     ) -> None: ...
 
 
+class VarianceSchedule(Protocol):
+    """When a reduction asks Adam to stop updating its second moment (1-bit Adam's second
+    stage: compressed gradients would distort it)."""
+
+    def frozen_after(self) -> int | None:
+        """The step count whose second moment the update keeps from now on (its bias
+        correction included), or None while it updates as usual."""
+        ...
+
+
 class GradReducer:
     """How gradients become the ones this rank's update reads.
 
     A world of one updates from the gradients where backward wrote them. A ``listener``
     (``offload.overlap``) hears when each layout's gradients are final; ``state`` is what the
-    reduction keeps across steps, if anything.
+    reduction keeps across steps, if anything; ``variance``, when the update must freeze Adam's
+    second moment.
     """
 
-    def __init__(self, state: ReducerState | None = None) -> None:
+    def __init__(
+        self, state: ReducerState | None = None, variance: VarianceSchedule | None = None
+    ) -> None:
         self.state = state
+        self.variance = variance
         self.listener: GradientsListener | None = None
         self._final_micro_batch = True
         self._arrived = ExpectedGradients()

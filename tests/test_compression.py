@@ -447,8 +447,16 @@ def test_compression_composes_with_offload_accumulation_and_hpz(
             {"zero": {"stage": 2}, "compression": {"type": "onebit", "block_size": 96}},
             "power of two",
         ),
+        (
+            {"zero": {"stage": 2}, "compression": {"type": "onebit", "freeze_variance": True}},
+            "warmup_steps >= 1",
+        ),
+        (
+            {"zero": {"stage": 2}, "compression": {"freeze_variance": True, "warmup_steps": 5}},
+            "compression.type is 'none'",
+        ),
     ],
-    ids=["stage0", "qgz", "fp16", "skip", "unknown", "block"],
+    ids=["stage0", "qgz", "fp16", "skip", "unknown", "block", "freeze-no-warmup", "freeze-none"],
 )
 def test_refused_combinations_say_why(config: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -515,13 +523,21 @@ def train_and_checkpoint(
     return {"losses": losses, "residuals": residuals, "steps": engine.global_steps}
 
 
-@pytest.mark.parametrize("method", ["onebit", "powersgd"])
+@pytest.mark.parametrize(
+    "compression",
+    [
+        {"type": "onebit"},
+        {"type": "powersgd"},
+        {"type": "onebit", "warmup_steps": 2, "freeze_variance": True},
+    ],
+    ids=["onebit", "powersgd", "onebit-frozen-variance"],
+)
 def test_a_resumed_run_with_error_feedback_equals_the_uninterrupted_one(
-    method: str, tmp_path
+    compression: dict, tmp_path
 ) -> None:
     """Residuals (and PowerSGD's Q) are saved and loaded: the resumed steps are the
-    uninterrupted run's to the bit."""
-    compression = {"type": method}
+    uninterrupted run's to the bit (with a frozen variance: saved after it froze, and the
+    resumed run keeps it frozen)."""
     target = str(tmp_path / "ckpt")
     whole = run_ranks(
         train_and_checkpoint, 2, compression, target, 3, False, timeout_s=60, deadline_s=120

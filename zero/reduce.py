@@ -28,7 +28,7 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.costs import DeviceBytes, ReducerCosts, Traffic
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
-from chunkmem.sharding import GradReducer, ReducerState, Sharding, Waitable
+from chunkmem.sharding import GradReducer, ReducerState, Sharding, VarianceSchedule, Waitable
 from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
@@ -187,8 +187,9 @@ class ReduceScatterGrads(GradReducer):
         reduction: GradientReduction,
         overlap: bool,
         state: ReducerState | None = None,
+        variance: VarianceSchedule | None = None,
     ) -> None:
-        super().__init__(state)
+        super().__init__(state, variance)
         self.params = params
         self.residency = residency
         self.sharding = sharding

@@ -278,9 +278,9 @@ class ZeroStrategy(Strategy):
                 choice.gradient_block,
                 choice.reduce_phase,
             )
-        state = None
+        state = variance = None
         if self.compression.type != "none":
-            reduction, state = build_compressed_reduction(
+            reduction, state, variance = build_compressed_reduction(
                 self.compression,
                 self.comm,
                 self._wire_buffers(residency),
@@ -289,7 +289,13 @@ class ZeroStrategy(Strategy):
                 exact=reduction,
             )
         return ReduceScatterGrads(
-            params, residency, self.sharding, reduction, overlap=choice.overlap, state=state
+            params,
+            residency,
+            self.sharding,
+            reduction,
+            overlap=choice.overlap,
+            state=state,
+            variance=variance,
         )
 
     @staticmethod

@@ -8,10 +8,14 @@ the exact reduce-scatter, at ZeRO stages 1-3, with nothing else in the engine ch
 
 :class:`Scheduled` counts the steps the compressor has seen (a checkpoint keeps the count, so
 a resumed run's warm-up and TernGrad's draws continue where they were) and reduces exactly for
-the first ``compression.warmup_steps`` of them.
+the first ``compression.warmup_steps`` of them. With ``compression.freeze_variance``, a
+:class:`VarianceFreeze` on the same count tells the optimizer to keep Adam's second moment from
+then on (1-bit Adam's second stage).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -31,12 +35,17 @@ from zero.compression.powersgd import (
     PowerSGDSettings,
 )
 from zero.compression.residuals import Residuals
-from zero.compression.state import CompressionState, StepCounter
+from zero.compression.state import CompressionState, StepCounter, VarianceFreeze
 from zero.reduce import GradientReduction, GradientReductionCosts
 from zero.topology import Topology
 from zero.wire import WireBuffers
 
-__all__ = ["Scheduled", "build_compressed_reduction", "compressed_reduction_costs"]
+__all__ = [
+    "CompressedReduction",
+    "Scheduled",
+    "build_compressed_reduction",
+    "compressed_reduction_costs",
+]
 
 
 class Scheduled:
@@ -64,6 +73,15 @@ class Scheduled:
         return (self.exact if warming else self.compressed).launch(layout, full, shard)
 
 
+class CompressedReduction(NamedTuple):
+    """What :func:`build_compressed_reduction` builds: the reduction, the state it keeps across
+    steps (for checkpoints) and, with ``freeze_variance``, when Adam's variance freezes."""
+
+    reduction: GradientReduction
+    state: CompressionState
+    variance: VarianceFreeze | None
+
+
 def build_compressed_reduction(
     config: CompressionConfig,
     comm: Communicator,
@@ -71,9 +89,9 @@ def build_compressed_reduction(
     params: ParamStore,
     phase: str,
     exact: GradientReduction,
-) -> tuple[GradientReduction, CompressionState]:
-    """The reduction ``config`` asks for (exact during its warm-up), and the state it keeps
-    across steps, for checkpoints."""
+) -> CompressedReduction:
+    """The reduction ``config`` asks for (exact during its warm-up), its state and its
+    variance schedule."""
     residuals = Residuals(wire.residency)
     counter = StepCounter()
     warm_q: dict[str, torch.Tensor] = {}
@@ -86,7 +104,9 @@ def build_compressed_reduction(
             comm, wire, residuals, _block_code(config), phase, counter
         )
     state = CompressionState(config.type, params, residuals, comm.rank, warm_q, counter)
-    return Scheduled(comm, counter, config.warmup_steps, exact, compressed), state
+    variance = VarianceFreeze(counter, config.warmup_steps) if config.freeze_variance else None
+    scheduled = Scheduled(comm, counter, config.warmup_steps, exact, compressed)
+    return CompressedReduction(scheduled, state, variance)
 
 
 def compressed_reduction_costs(

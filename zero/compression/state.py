@@ -45,6 +45,19 @@ class StepCounter:
         self.steps, self._tag = steps, None
 
 
+class VarianceFreeze:
+    """1-bit Adam's second stage (a :class:`chunkmem.sharding.VarianceSchedule`): once
+    ``counter`` passes ``warmup_steps``, Adam keeps the second moment of the last exact step.
+    It follows the checkpointed count, so a resumed run freezes where the first one did."""
+
+    def __init__(self, counter: StepCounter, warmup_steps: int) -> None:
+        self.counter = counter
+        self.warmup_steps = warmup_steps
+
+    def frozen_after(self) -> int | None:
+        return self.warmup_steps if self.counter.steps > self.warmup_steps else None
+
+
 class CompressionState:
     """The state of ``method`` on this rank: ``residuals`` (none for TernGrad), ``warm_q``
     (PowerSGD's, by parameter name) and the step ``counter``."""

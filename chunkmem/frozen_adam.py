@@ -1,0 +1,112 @@
+"""Adam with its second moment frozen: 1-bit Adam's second stage (Tang et al., 2021).
+
+After the exact warm-up, gradients compressed to signs would make Adam's variance track the
+codes, not the gradients; 1-bit Adam keeps the variance the warm-up built and lets only the
+first moment move. With the variance fixed the update is linear in the first moment, which is
+linear in the gradients, so the error feedback's guarantee (the compressed gradients sum to the
+exact ones up to a bounded residual) carries through to the parameters.
+
+:func:`frozen_variance_adam_` takes the arguments of :func:`kernels.host_optim.fused_adamw_`
+(so the update builder swaps it in for torch's or the native kernel) and computes what they do
+with the second-moment line dropped and its bias correction held at ``frozen_steps``. It runs
+torch's elementwise ops a slice at a time, so its temporaries stay within ``SLICE_ELEMENTS``
+whatever the tensor's size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+SLICE_ELEMENTS = 1 << 18  # fp32 temporaries of 1 MiB each
+
+
+def frozen_variance_adam_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    max_exp_avg_sqs: Sequence[torch.Tensor],
+    state_steps: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    decoupled: bool,
+    frozen_steps: int,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    params_out: Sequence[torch.Tensor] | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """One Adam (``decoupled``: AdamW) step in place that reads ``exp_avg_sqs`` and leaves them
+    as they are, with their bias correction ``1 - beta2 ** frozen_steps``. Gradients are divided
+    by ``grad_scale`` (not in place) and widened to fp32; 16-bit states and ``params_out`` are
+    rounded to nearest-even when stored. ``num_threads`` is torch's (unused here)."""
+    if amsgrad or maximize or max_exp_avg_sqs or found_inf is not None:
+        raise ValueError(
+            "the frozen-variance update supports neither amsgrad, maximize nor found_inf"
+        )
+    if frozen_steps < 1:
+        raise ValueError(f"frozen_steps must be >= 1 (steps of exact warm-up), got {frozen_steps}")
+    bias_correction2_sqrt = math.sqrt(1 - beta2**frozen_steps)
+    scale = None if grad_scale is None else float(grad_scale)
+    for index, param in enumerate(params):
+        step = float(state_steps[index])
+        step_size = lr / (1 - beta1**step)
+        out = None if params_out is None else params_out[index]
+        for start in range(0, param.numel(), SLICE_ELEMENTS):
+            part = slice(start, start + SLICE_ELEMENTS)
+            _update_slice(
+                param.view(-1)[part],
+                grads[index].view(-1)[part],
+                exp_avgs[index].view(-1)[part],
+                exp_avg_sqs[index].view(-1)[part],
+                None if out is None else out.view(-1)[part],
+                scale,
+                lr,
+                beta1,
+                weight_decay,
+                eps,
+                decoupled,
+                step_size,
+                bias_correction2_sqrt,
+            )
+
+
+def _update_slice(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out: torch.Tensor | None,
+    scale: float | None,
+    lr: float,
+    beta1: float,
+    weight_decay: float,
+    eps: float,
+    decoupled: bool,
+    step_size: float,
+    bias_correction2_sqrt: float,
+) -> None:
+    """The step on aligned 1-D slices, in the order of torch's fused kernel."""
+    grad = grad.float() if scale is None else grad.float() / scale
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad + weight_decay * param
+    first = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
+    first.lerp_(grad, 1 - beta1)
+    if first is not exp_avg:
+        exp_avg.copy_(first)
+    denom = exp_avg_sq.float().sqrt().div_(bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(first, denom, value=-step_size)
+    if out is not None:
+        out.copy_(param)
