@@ -26,7 +26,7 @@ from chunkmem.config_errors import describe_validation_error
 from chunkmem.errors import ConfigError
 
 # Compression methods that carry state from step to step (residuals, warm starts).
-ERROR_FEEDBACK_METHODS = ("onebit", "powersgd")
+ERROR_FEEDBACK_METHODS = ("onebit", "powersgd", "auto")  # auto may pick either
 
 ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=0)]
 
@@ -378,12 +378,15 @@ class ZeroConfig(_Section):
 class CompressionConfig(_Section):
     """Gradient compression on the reduce-scatter of ZeRO stages 1-3 (docs/compression.md)."""
 
-    type: Literal["none", "onebit", "terngrad", "powersgd"] = Field(
+    type: Literal["none", "onebit", "terngrad", "powersgd", "auto"] = Field(
         "none",
         description="none: exact reduce-scatter. onebit: sign plus one fp32 scale per block "
         "with error feedback (1-bit SGD). terngrad: stochastic {-1, 0, +1} times each block's "
         "max, unbiased, no state. powersgd: rank-r approximation of every large matrix with "
-        "error feedback and a warm-started Q; vectors and small tensors are reduced exactly.",
+        "error feedback and a warm-started Q; vectors and small tensors are reduced exactly. "
+        "auto: after the warm-up, one of the three or none, whichever a judge predicts fastest "
+        "from a link probe at initialize, the measured exact step and timed codecs (logged and "
+        "in the report).",
     )
     block_size: int = Field(
         256,
@@ -412,6 +415,13 @@ class CompressionConfig(_Section):
         "deviations before ternarizing, as in the paper (0: off).",
     )
     seed: int = Field(0, ge=0, description="terngrad's stochastic rounding and powersgd's first Q.")
+    auto_min_gain: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="auto: the share of the exact step time a method must be predicted to save "
+        "before it is picked (compression also costs convergence; below it, none).",
+    )
     freeze_variance: bool = Field(
         False,
         description="1-bit Adam's second stage: Adam's second moment stops updating when the "
@@ -426,6 +436,16 @@ class CompressionConfig(_Section):
             raise ValueError(
                 f"compression.block_size must be a power of two (its scale is a pairwise sum "
                 f"every backend computes in one order), got {self.block_size}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _auto_needs_timed_steps(self) -> CompressionConfig:
+        if self.type == "auto" and self.warmup_steps < 3:
+            raise ValueError(
+                f"compression.type 'auto' times the exact warm-up steps (the first, which "
+                f"builds and allocates, is left out) before it decides; it needs "
+                f"compression.warmup_steps >= 3, got {self.warmup_steps}"
             )
         return self
 

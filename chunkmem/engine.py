@@ -554,7 +554,15 @@ class Engine:
             speculative_commits=speculation.commits if speculation else 0,
             speculative_rollbacks=speculation.rollbacks if speculation else 0,
             gpu=None if gpu is None else dataclasses.asdict(gpu),
+            compression=self._compression_summary(),
         )
+
+    def _compression_summary(self) -> dict[str, Any] | None:
+        state = self.reducer.state
+        if state is None:
+            return None
+        described = state.describe()
+        return {key: described.get(key) for key in ("method", "steps", "auto")}
 
     def close(self) -> None:
         """Give the model back: its parameters become ordinary tensors again, holding their

@@ -51,7 +51,10 @@ def test_update_equals_the_papers_reference(decoupled, grad_dtype, monkeypatch) 
     exp_avg_sqs = [torch.rand(n, generator=g) * 1e-2 for n in sizes]
     steps = [torch.tensor(9.0), torch.tensor(9.0), torch.tensor(4.0)]
     outs = [torch.empty(n, dtype=torch.bfloat16) for n in sizes]
-    before = [(p.clone(), m.clone(), v.clone()) for p, m, v in zip(params, exp_avgs, exp_avg_sqs)]
+    before = [
+        (p.clone(), m.clone(), v.clone())
+        for p, m, v in zip(params, exp_avgs, exp_avg_sqs, strict=True)
+    ]
     frozen_variance_adam_(
         params, grads, exp_avgs, exp_avg_sqs, [], steps, **HYPER,
         decoupled=decoupled, frozen_steps=3, grad_scale=torch.tensor(4.0), params_out=outs,
@@ -145,10 +148,10 @@ def test_the_variance_freezes_after_the_warmup(stage: int, offload: str) -> None
         variances = [_kind(s, ChunkKind.EXP_AVG_SQ) for s in states]
         firsts = [_kind(s, ChunkKind.EXP_AVG) for s in states]
         assert variances[1], "this rank holds optimizer states"
-        assert any(not torch.equal(a, b) for a, b in zip(variances[0], variances[1]))
+        assert any(not torch.equal(a, b) for a, b in zip(variances[0], variances[1], strict=True))
         for later in variances[2:]:
             assert all(torch.equal(a, b) for a, b in zip(later, variances[1], strict=True))
-        for before, now in zip(firsts[2:], firsts[3:]):
+        for before, now in zip(firsts[2:], firsts[3:], strict=False):
             assert any(not torch.equal(a, b) for a, b in zip(before, now, strict=True))
         for a, b in zip(ours[rank]["losses"], exact[rank]["losses"], strict=True):
             assert math.isfinite(a) and abs(a - b) <= 0.1 * b, (stage, offload, rank)

@@ -332,7 +332,9 @@ class ZeroStrategy(Strategy):
                 topology, choice.gradient_bits, choice.gradient_block, itemsize, choice.reduce_phase
             )
         if compression is not None and compression.type != "none":
-            reduction = compressed_reduction_costs(compression, topology, choice.reduce_phase)
+            reduction = compressed_reduction_costs(
+                compression, topology, choice.reduce_phase, exact=reduction
+            )
         reducer: ReducerCosts = ReduceScatterGradsCosts(topology, reduction, pool, choice.overlap)
         sharding = ZeroShardingCosts(choice.stage, topology)
         return ZeroStrategyCosts(sharding, gatherer, reducer, pool, choice)

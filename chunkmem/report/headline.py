@@ -41,4 +41,5 @@ def headline(document: dict[str, Any]) -> dict[str, Any]:
         "speculative_commits": summary.get("speculative_commits", 0),
         "speculative_rollbacks": summary.get("speculative_rollbacks", 0),
         "gpu": summary.get("gpu"),
+        "compression": summary.get("compression"),
     }

@@ -93,6 +93,17 @@ def _bytes_text(nbytes: int | None) -> str:
     return "unlimited" if nbytes is None else f"{format_bytes(nbytes)} ({nbytes:,} B)"
 
 
+def _compression_text(compression: dict[str, Any] | None) -> str:
+    if compression is None:
+        return "none"
+    auto = compression.get("auto")
+    if compression["method"] != "auto":
+        return compression["method"]
+    if auto is None:
+        return "auto: not decided yet (exact until the warm-up is timed)"
+    return f"auto chose {auto['chosen']} at step {auto['from_step']}: {auto['reason']}"
+
+
 def _summary_section(summary: dict[str, Any]) -> str:
     chunks = summary["chunks"]
     search = chunks["search"]
@@ -109,6 +120,7 @@ def _summary_section(summary: dict[str, Any]) -> str:
             "speculative host updates: steps committed / rolled back",
             f"{summary.get('speculative_commits', 0)} / {summary.get('speculative_rollbacks', 0)}",
         ),
+        ("gradient compression", _compression_text(summary.get("compression"))),
         (
             "traces recorded / divergences",
             f"{summary['tracer']['cycles_recorded']} / {summary['tracer']['divergences']}",

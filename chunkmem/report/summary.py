@@ -36,3 +36,6 @@ class RunSummary:
     # clipping, fp16 or nonfinite: skip): kept, or undone because the assumption failed.
     speculative_commits: int = 0
     speculative_rollbacks: int = 0
+    # Gradient compression: the method, the steps it has seen, and ``auto``'s decision (what
+    # it measured, predicted and picked, and why); None without compression.
+    compression: dict[str, Any] | None = None

@@ -4,7 +4,9 @@ the exact reduce-scatter, at ZeRO stages 1-3, with nothing else in the engine ch
 
 - ``onebit``: sign and one scale per block with error feedback (``blockwise``);
 - ``terngrad``: stochastic ternary, unbiased, no residual (``blockwise``);
-- ``powersgd``: rank-r approximations with error feedback and warm starts (``powersgd``).
+- ``powersgd``: rank-r approximations with error feedback and warm starts (``powersgd``);
+- ``auto``: one of them, or none, picked after the warm-up by a judge that measures the link,
+  the step and the codecs (``judge``).
 
 :class:`Scheduled` counts the steps the compressor has seen (a checkpoint keeps the count, so
 a resumed run's warm-up and TernGrad's draws continue where they were) and reduces exactly for
@@ -29,6 +31,15 @@ from zero.compression.blockwise import (
     BlockCodeReduceScatter,
     BlockCodeReduceScatterCosts,
 )
+from zero.compression.judge import (
+    AutoCosts,
+    AutoReduction,
+    Candidate,
+    Judge,
+    block_codec_seconds,
+    powersgd_codec_seconds,
+    probe_link,
+)
 from zero.compression.powersgd import (
     PowerSGDReduceScatter,
     PowerSGDReduceScatterCosts,
@@ -39,6 +50,8 @@ from zero.compression.state import CompressionState, StepCounter, VarianceFreeze
 from zero.reduce import GradientReduction, GradientReductionCosts
 from zero.topology import Topology
 from zero.wire import WireBuffers
+
+AUTO_CANDIDATES = ("onebit", "terngrad", "powersgd")
 
 __all__ = [
     "CompressedReduction",
@@ -91,42 +104,81 @@ def build_compressed_reduction(
     exact: GradientReduction,
 ) -> CompressedReduction:
     """The reduction ``config`` asks for (exact during its warm-up), its state and its
-    variance schedule."""
+    variance schedule. ``auto`` probes the link here, so every rank must build it at the same
+    point (``initialize`` does)."""
     residuals = Residuals(wire.residency)
     counter = StepCounter()
     warm_q: dict[str, torch.Tensor] = {}
-    compressed: GradientReduction
-    if config.type == "powersgd":
-        powersgd = PowerSGDReduceScatter(comm, wire, residuals, _powersgd_settings(config), phase)
-        warm_q, compressed = powersgd.warm_q, powersgd
+    methods = AUTO_CANDIDATES if config.type == "auto" else (config.type,)
+    compressed: dict[str, GradientReduction] = {}
+    for method in methods:
+        if method == "powersgd":
+            powersgd = PowerSGDReduceScatter(
+                comm, wire, residuals, _powersgd_settings(config), phase
+            )
+            warm_q, compressed[method] = powersgd.warm_q, powersgd
+        else:
+            code = _block_code(config, method)
+            compressed[method] = BlockCodeReduceScatter(comm, wire, residuals, code, phase, counter)
+    judge = None
+    after_warmup: GradientReduction
+    if config.type == "auto":
+        assert comm.topology is not None  # the strategy sets it
+        candidates = {
+            m: Candidate(compressed[m], _costs(m, config, comm.topology, phase), _codec(m, config))
+            for m in methods
+        }
+        probe = probe_link(comm, wire.residency.device.torch_device)
+        judge = Judge(comm, params, counter, probe, candidates, config.auto_min_gain, phase)
+        after_warmup, compressed_from = AutoReduction(judge, exact), judge.compressed_from
     else:
-        compressed = BlockCodeReduceScatter(
-            comm, wire, residuals, _block_code(config), phase, counter
-        )
-    state = CompressionState(config.type, params, residuals, comm.rank, warm_q, counter)
-    variance = VarianceFreeze(counter, config.warmup_steps) if config.freeze_variance else None
-    scheduled = Scheduled(comm, counter, config.warmup_steps, exact, compressed)
+        after_warmup = compressed[config.type]
+
+        def compressed_from() -> int:
+            return config.warmup_steps + 1
+
+    state = CompressionState(config.type, params, residuals, comm.rank, warm_q, counter, judge)
+    variance = VarianceFreeze(counter, compressed_from) if config.freeze_variance else None
+    scheduled = Scheduled(comm, counter, config.warmup_steps, exact, after_warmup)
     return CompressedReduction(scheduled, state, variance)
 
 
 def compressed_reduction_costs(
-    config: CompressionConfig, topology: Topology, phase: str
+    config: CompressionConfig,
+    topology: Topology,
+    phase: str,
+    exact: GradientReductionCosts,
 ) -> GradientReductionCosts:
     """The cost model of the reduction :func:`build_compressed_reduction` builds, in its
-    steady state (after the warm-up)."""
-    if config.type == "powersgd":
+    steady state (after the warm-up); ``auto``'s is :class:`AutoCosts` (``exact``'s traffic,
+    the largest candidate's memory)."""
+    if config.type == "auto":
+        return AutoCosts(exact, [_costs(m, config, topology, phase) for m in AUTO_CANDIDATES])
+    return _costs(config.type, config, topology, phase)
+
+
+def _costs(
+    method: str, config: CompressionConfig, topology: Topology, phase: str
+) -> GradientReductionCosts:
+    if method == "powersgd":
         return PowerSGDReduceScatterCosts(topology, _powersgd_settings(config), phase)
-    return BlockCodeReduceScatterCosts(topology, _block_code(config), phase)
+    return BlockCodeReduceScatterCosts(topology, _block_code(config, method), phase)
+
+
+def _codec(method: str, config: CompressionConfig):
+    if method == "powersgd":
+        return powersgd_codec_seconds(_powersgd_settings(config))
+    return block_codec_seconds(_block_code(config, method))
 
 
 def _powersgd_settings(config: CompressionConfig) -> PowerSGDSettings:
     return PowerSGDSettings(config.rank, config.min_compression_rate, config.seed)
 
 
-def _block_code(config: CompressionConfig) -> BlockCode:
+def _block_code(config: CompressionConfig, method: str) -> BlockCode:
     return BlockCode(
-        "onebit" if config.type == "onebit" else "ternary",
+        "onebit" if method == "onebit" else "ternary",
         config.block_size,
-        config.clip_sigma if config.type == "terngrad" else 0.0,
+        config.clip_sigma if method == "terngrad" else 0.0,
         config.seed,
     )

@@ -14,7 +14,9 @@ rank gets its own back, and the run continues bit for bit.
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
@@ -23,6 +25,7 @@ from zero.compression.powersgd import new_q_buffer
 from zero.compression.residuals import Residuals
 from zero.kinds import EF_RESIDUAL
 
+RECENT_STARTS = 8
 RESIDUAL_KEY = "ef_residual.rank{rank}.{name}"
 Q_KEY = "powersgd_q.{name}"
 
@@ -35,32 +38,45 @@ class StepCounter:
     def __init__(self) -> None:
         self.steps = 0
         self._tag: int | None = None
+        # When the last few steps of this process started (``compression: auto`` times them).
+        self.recent_starts: list[float] = []
 
     def observe(self, tag: int) -> None:
         if tag != self._tag:
             self._tag = tag
             self.steps += 1
+            self.recent_starts = [*self.recent_starts[-(RECENT_STARTS - 1) :], time.perf_counter()]
 
     def restore(self, steps: int) -> None:
         self.steps, self._tag = steps, None
 
 
 class VarianceFreeze:
-    """1-bit Adam's second stage (a :class:`chunkmem.sharding.VarianceSchedule`): once
-    ``counter`` passes ``warmup_steps``, Adam keeps the second moment of the last exact step.
-    It follows the checkpointed count, so a resumed run freezes where the first one did."""
+    """1-bit Adam's second stage (a :class:`chunkmem.sharding.VarianceSchedule`): from the
+    first compressed step on (``compressed_from``: a step count, or None while there is none),
+    Adam keeps the second moment of the last exact step. It follows the checkpointed count, so
+    a resumed run freezes where the first one did."""
 
-    def __init__(self, counter: StepCounter, warmup_steps: int) -> None:
+    def __init__(self, counter: StepCounter, compressed_from: Callable[[], int | None]) -> None:
         self.counter = counter
-        self.warmup_steps = warmup_steps
+        self.compressed_from = compressed_from
 
     def frozen_after(self) -> int | None:
-        return self.warmup_steps if self.counter.steps > self.warmup_steps else None
+        first = self.compressed_from()
+        return None if first is None or self.counter.steps < first else first - 1
+
+
+class KeptDecision(Protocol):
+    """A decision a checkpoint keeps (``compression: auto``'s judge), as plain values."""
+
+    def saved(self) -> dict[str, Any] | None: ...
+
+    def restore(self, saved: dict[str, Any] | None) -> None: ...
 
 
 class CompressionState:
     """The state of ``method`` on this rank: ``residuals`` (none for TernGrad), ``warm_q``
-    (PowerSGD's, by parameter name) and the step ``counter``."""
+    (PowerSGD's, by parameter name), the step ``counter`` and ``auto``'s ``decision``."""
 
     def __init__(
         self,
@@ -70,6 +86,7 @@ class CompressionState:
         rank: int,
         warm_q: dict[str, torch.Tensor],
         counter: StepCounter,
+        decision: KeptDecision | None = None,
     ) -> None:
         self.method = method
         self.params = params
@@ -77,6 +94,7 @@ class CompressionState:
         self.rank = rank
         self.warm_q = warm_q
         self.counter = counter
+        self.decision = decision
 
     def _with_residuals(self):
         return [
@@ -93,6 +111,7 @@ class CompressionState:
             },
             "warm_q": {name: list(q.shape) for name, q in sorted(self.warm_q.items())},
             "steps": self.counter.steps,
+            "auto": None if self.decision is None else self.decision.saved(),
         }
 
     def saved(self) -> dict[str, torch.Tensor]:
@@ -154,3 +173,5 @@ class CompressionState:
                 self.warm_q[name] = new_q_buffer(self.residuals, shape)
             self.warm_q[name].copy_(loaded[Q_KEY.format(name=name)])
         self.counter.restore(saved["steps"])
+        if self.decision is not None:
+            self.decision.restore(saved.get("auto"))
