@@ -3,7 +3,14 @@ made-up runs (the benchmark itself needs root for its network namespaces)."""
 
 from __future__ import annotations
 
-from benchmarks.compression import METHODS, TORCH_HOOK, metrics, moving_average, time_to_loss
+from benchmarks.compression import (
+    METHODS,
+    TORCH_HOOK,
+    compression_for,
+    metrics,
+    moving_average,
+    time_to_loss,
+)
 
 
 def test_moving_average_warms_up_then_slides() -> None:
@@ -36,3 +43,35 @@ def test_metrics_are_the_issue_s_keys_as_ratios_to_the_uncompressed_run() -> Non
     assert abs(out["final_loss_rel_diff_vs_uncompressed_powersgd"] - 0.1) < 1e-12
     assert out["powersgd_time_to_loss_ratio_vs_torch_hook"] == 4.0
     assert "auto_time_ratio_vs_best_fixed" not in out
+
+
+def test_auto_is_judged_against_the_best_fixed_choice_at_each_rate() -> None:
+    """Its probe counts in its time; the best fixed choice may be none; the headline key is
+    the worse rate."""
+    auto_entry = _entry([1.0, 1.0, 1.0], [3.0, 2.0, 1.0])
+    auto_entry["auto"] = {"probe_s": 0.5, "chosen": "none"}
+    assert time_to_loss(auto_entry, 1.5, 1) == 3.5
+
+    def rate(auto_s: float, fastest: float) -> dict:
+        summary = {
+            m: {"time_to_loss_s": fastest + i, "bytes_sent_per_step": 1, "final_loss": 1.0}
+            for i, m in enumerate(METHODS)
+        }
+        summary["terngrad"]["time_to_loss_s"] = None  # never reached: not a candidate
+        summary["auto"] = {"time_to_loss_s": auto_s, "auto": {"chosen": "none"}}
+        return summary
+
+    out = metrics({"rates": {"1gbit": rate(10.5, 10.0), "10gbit": rate(4.0, 4.0)}})
+    assert out["auto_time_ratio_vs_best_fixed_1gbit"] == 1.05
+    assert out["auto_time_ratio_vs_best_fixed_10gbit"] == 1.0
+    assert out["auto_time_ratio_vs_best_fixed"] == 1.05
+    assert out["auto_choice_10gbit"] == "none"
+
+
+def test_each_method_runs_at_its_papers_settings() -> None:
+    assert compression_for("onebit", 200) == {
+        "type": "onebit", "warmup_steps": 40, "freeze_variance": True,
+    }  # fmt: skip
+    assert compression_for("powersgd", 200) == {"type": "powersgd", "warmup_steps": 20}
+    assert compression_for("terngrad", 200) == {"type": "terngrad"}
+    assert compression_for("auto", 12)["warmup_steps"] == 3  # the judge needs 3 timed steps
