@@ -375,6 +375,17 @@ class ZeroConfig(_Section):
         return self
 
 
+# Methods of the lecture's list that a user may ask for by name, and why they are not offered.
+_NOT_OFFERED = {
+    "dga": "Delayed Gradient Averaging updates every parameter on every rank with its local "
+    "gradient before the average arrives, which needs the whole optimizer state on every "
+    "rank; ZeRO 1-3 shard it (and compression needs ZeRO 1-3). Use onebit, terngrad, powersgd "
+    "or auto",
+    "dgc": "Deep Gradient Compression (top-k with momentum correction) is not built yet "
+    "(issue 21). Use onebit, terngrad, powersgd or auto",
+}
+
+
 class CompressionConfig(_Section):
     """Gradient compression on the reduce-scatter of ZeRO stages 1-3 (docs/compression.md)."""
 
@@ -438,6 +449,14 @@ class CompressionConfig(_Section):
                 f"every backend computes in one order), got {self.block_size}"
             )
         return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _methods_not_offered(cls, data: Any) -> Any:
+        method = data.get("type") if isinstance(data, dict) else None
+        if method in _NOT_OFFERED:
+            raise ValueError(f"compression.type {method!r}: {_NOT_OFFERED[method]}")
+        return data
 
     @model_validator(mode="after")
     def _auto_needs_timed_steps(self) -> CompressionConfig:

@@ -442,7 +442,9 @@ def test_compression_composes_with_offload_accumulation_and_hpz(
             {"zero": {"stage": 2}, "nonfinite": "skip", "compression": {"type": "onebit"}},
             "nonfinite 'skip'",
         ),
-        ({"zero": {"stage": 2}, "compression": {"type": "dgc"}}, "compression.type"),
+        ({"zero": {"stage": 2}, "compression": {"type": "topk"}}, "compression.type"),
+        ({"zero": {"stage": 2}, "compression": {"type": "dga"}}, "whole optimizer state"),
+        ({"zero": {"stage": 2}, "compression": {"type": "dgc"}}, "not built yet"),
         (
             {"zero": {"stage": 2}, "compression": {"type": "onebit", "block_size": 96}},
             "power of two",
@@ -456,7 +458,18 @@ def test_compression_composes_with_offload_accumulation_and_hpz(
             "compression.type is 'none'",
         ),
     ],
-    ids=["stage0", "qgz", "fp16", "skip", "unknown", "block", "freeze-no-warmup", "freeze-none"],
+    ids=[
+        "stage0",
+        "qgz",
+        "fp16",
+        "skip",
+        "unknown",
+        "dga",
+        "dgc",
+        "block",
+        "freeze-no-warmup",
+        "freeze-none",
+    ],  # fmt: skip
 )
 def test_refused_combinations_say_why(config: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
