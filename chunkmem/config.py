@@ -1,4 +1,5 @@
 """The engine's typed configuration: defaults, strict validation, loading from a dict or JSON.
+(The compression section, which grew its own rules, is ``chunkmem.config_compression``.)
 
 Every section is a frozen pydantic model with ``extra="forbid"``; validation errors are turned
 into one :class:`ConfigError` whose lines name the key path, the bad value and the reason, and
@@ -12,30 +13,18 @@ import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    model_validator,
-)
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from chunkmem.byte_sizes import parse_byte_size
+from chunkmem.config_compression import CompressionConfig, check_compression
 from chunkmem.config_errors import describe_validation_error
+from chunkmem.config_section import Section
 from chunkmem.errors import ConfigError
-
-# Compression methods that carry state from step to step (residuals, warm starts).
-ERROR_FEEDBACK_METHODS = ("onebit", "powersgd", "auto")  # auto may pick either
 
 ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=0)]
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     """Adam/AdamW hyper-parameters; used when ``initialize`` is not given a torch optimizer."""
 
     type: Literal["adam", "adamw"] = Field("adamw", description="adamw decouples weight decay.")
@@ -69,7 +58,7 @@ _SCHEDULE_KEYS = {
 }
 
 
-class SchedulerConfig(_Section):
+class SchedulerConfig(Section):
     """Learning-rate schedule, as DeepSpeed defines it, stepped after every update taken."""
 
     type: Literal["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"] | None = Field(
@@ -120,7 +109,7 @@ class SchedulerConfig(_Section):
         return {key: getattr(self, key) for key in _SCHEDULE_KEYS[self.type]} if self.type else {}
 
 
-class LossScaleConfig(_Section):
+class LossScaleConfig(Section):
     """Dynamic loss scaling for fp16: an overflow skips the step and lowers the scale."""
 
     initial_scale: float = Field(2.0**16, gt=0, description="Loss scale of the first step.")
@@ -138,7 +127,7 @@ class LossScaleConfig(_Section):
     )
 
 
-class DeviceConfig(_Section):
+class DeviceConfig(Section):
     """The compute device and how much of it chunks and activations may use."""
 
     type: Literal["auto", "cuda", "simulated"] = Field(
@@ -161,7 +150,7 @@ class DeviceConfig(_Section):
     )
 
 
-class HostConfig(_Section):
+class HostConfig(Section):
     """Host memory for chunks that are not on the device."""
 
     capacity: ByteSize | None = Field(
@@ -169,7 +158,7 @@ class HostConfig(_Section):
     )
 
 
-class ChunkConfig(_Section):
+class ChunkConfig(Section):
     """Chunk geometry."""
 
     size: int | Literal["auto"] = Field(
@@ -186,7 +175,7 @@ class ChunkConfig(_Section):
     )
 
 
-class PlacementConfig(_Section):
+class PlacementConfig(Section):
     """How chunks are placed and moved between device and host."""
 
     policy: Literal["belady", "lru"] = Field(
@@ -210,7 +199,7 @@ class PlacementConfig(_Section):
     )
 
 
-class NvmeConfig(_Section):
+class NvmeConfig(Section):
     """The NVMe tier: optimizer-state chunks stored as files (``offload.optimizer: nvme``)."""
 
     path: str | None = Field(
@@ -234,7 +223,7 @@ class NvmeConfig(_Section):
     )
 
 
-class OffloadConfig(_Section):
+class OffloadConfig(Section):
     """Where optimizer states live and how the host updates them (docs/offload.md)."""
 
     optimizer: Literal["auto", "device", "host", "nvme"] = Field(
@@ -283,7 +272,7 @@ class OffloadConfig(_Section):
     nvme: NvmeConfig = NvmeConfig()
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(Section):
     """ZeRO sharding across data-parallel ranks (launch with torchrun; one process per rank)."""
 
     stage: Literal[0, 1, 2, 3] = Field(
@@ -375,113 +364,7 @@ class ZeroConfig(_Section):
         return self
 
 
-# Methods of the lecture's list that a user may ask for by name, and why they are not offered.
-_NOT_OFFERED = {
-    "dga": "Delayed Gradient Averaging updates every parameter on every rank with its local "
-    "gradient before the average arrives, which needs the whole optimizer state on every "
-    "rank; ZeRO 1-3 shard it (and compression needs ZeRO 1-3). Use onebit, terngrad, powersgd "
-    "or auto",
-    "dgc": "Deep Gradient Compression (top-k with momentum correction) is not built yet "
-    "(issue 21). Use onebit, terngrad, powersgd or auto",
-}
-
-
-class CompressionConfig(_Section):
-    """Gradient compression on the reduce-scatter of ZeRO stages 1-3 (docs/compression.md)."""
-
-    type: Literal["none", "onebit", "terngrad", "powersgd", "auto"] = Field(
-        "none",
-        description="none: exact reduce-scatter. onebit: sign plus one fp32 scale per block "
-        "with error feedback (1-bit SGD). terngrad: stochastic {-1, 0, +1} times each block's "
-        "max, unbiased, no state. powersgd: rank-r approximation of every large matrix with "
-        "error feedback and a warm-started Q; vectors and small tensors are reduced exactly. "
-        "auto: after the warm-up, one of the three or none, whichever a judge predicts fastest "
-        "from a link probe at initialize, the measured exact step and timed codecs (logged and "
-        "in the report).",
-    )
-    block_size: int = Field(
-        256,
-        ge=32,
-        le=4096,
-        description="onebit/terngrad: elements per fp32 scale, a power of two (32 to 4096): "
-        "smaller blocks follow the gradient more closely and send 4 bytes per block more.",
-    )
-    rank: int = Field(4, ge=1, description="powersgd: the approximation's rank r.")
-    min_compression_rate: float = Field(
-        2.0,
-        ge=1,
-        description="powersgd: a matrix of n x m is compressed only when n*m >= this times "
-        "r*(n+m); the others travel exactly.",
-    )
-    warmup_steps: int = Field(
-        0,
-        ge=0,
-        description="Optimizer steps whose gradients are reduced exactly before compression "
-        "starts (PowerSGD's start iteration, 1-bit Adam's warm-up).",
-    )
-    clip_sigma: float = Field(
-        2.5,
-        ge=0,
-        description="terngrad: each parameter's gradient is clipped to this many standard "
-        "deviations before ternarizing, as in the paper (0: off).",
-    )
-    seed: int = Field(0, ge=0, description="terngrad's stochastic rounding and powersgd's first Q.")
-    auto_min_gain: float = Field(
-        0.1,
-        ge=0,
-        lt=1,
-        description="auto: the share of the exact step time a method must be predicted to save "
-        "before it is picked (compression also costs convergence; below it, none).",
-    )
-    freeze_variance: bool = Field(
-        False,
-        description="1-bit Adam's second stage: Adam's second moment stops updating when the "
-        "warm-up ends and keeps the value the exact gradients gave it, so compressed gradients "
-        "move only the first moment. Needs warmup_steps >= 1 (the 1-bit Adam paper warms up "
-        "for 15-25% of training).",
-    )
-
-    @model_validator(mode="after")
-    def _block_is_power_of_two(self) -> CompressionConfig:
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(
-                f"compression.block_size must be a power of two (its scale is a pairwise sum "
-                f"every backend computes in one order), got {self.block_size}"
-            )
-        return self
-
-    @model_validator(mode="before")
-    @classmethod
-    def _methods_not_offered(cls, data: Any) -> Any:
-        method = data.get("type") if isinstance(data, dict) else None
-        if method in _NOT_OFFERED:
-            raise ValueError(f"compression.type {method!r}: {_NOT_OFFERED[method]}")
-        return data
-
-    @model_validator(mode="after")
-    def _auto_needs_timed_steps(self) -> CompressionConfig:
-        if self.type == "auto" and self.warmup_steps < 3:
-            raise ValueError(
-                f"compression.type 'auto' times the exact warm-up steps (the first, which "
-                f"builds and allocates, is left out) before it decides; it needs "
-                f"compression.warmup_steps >= 3, got {self.warmup_steps}"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _freeze_needs_warmup(self) -> CompressionConfig:
-        if self.freeze_variance and (self.type == "none" or self.warmup_steps < 1):
-            what = (
-                "a compressed reduction (compression.type is 'none')"
-                if self.type == "none"
-                else "compression.warmup_steps >= 1 (the variance it freezes is the one the "
-                "exact warm-up steps built; with 0 it would be all zeros)"
-            )
-            raise ValueError(f"compression.freeze_variance needs {what}")
-        return self
-
-
-class ReportConfig(_Section):
+class ReportConfig(Section):
     """Memory-trace report written by ``engine.write_report()``."""
 
     formats: tuple[Literal["json", "html", "snapshot"], ...] = Field(
@@ -496,7 +379,7 @@ class ReportConfig(_Section):
     )
 
 
-class Config(_Section):
+class Config(Section):
     """Everything ``chunkmem.initialize`` reads. Load with :meth:`from_dict` or :meth:`from_json`."""
 
     precision: Literal["fp32", "bf16", "fp16"] = Field(
@@ -552,7 +435,7 @@ class Config(_Section):
                 "offload.optimizer is 'nvme' but offload.nvme.path is not set: give the "
                 "directory (on the fast disk) for the chunk files"
             )
-        _check_compression(self)
+        check_compression(self)
         if offload.nvme.block_size % 4096:
             raise ValueError(
                 f"offload.nvme.block_size {offload.nvme.block_size} is not a multiple of 4096 "
@@ -603,33 +486,6 @@ class Config(_Section):
         raise ConfigError(
             f"config must be a chunkmem Config, a dict or a path to a JSON file, "
             f"got {type(config).__name__}"
-        )
-
-
-def _check_compression(config: Config) -> None:
-    """Refuse, by name, the combinations compression cannot serve."""
-    method = config.compression.type
-    if method == "none":
-        return
-    if config.zero.stage == 0:
-        raise ValueError(
-            f"compression.type {method!r} compresses the gradient reduction across ranks; it "
-            f"needs zero.stage 1, 2 or 3, got stage 0"
-        )
-    if config.zero.quantized_gradients is not False:
-        raise ValueError(
-            f"compression.type {method!r} and zero.quantized_gradients both replace the "
-            f"gradient reduce-scatter; choose one"
-        )
-    if method in ERROR_FEEDBACK_METHODS and (
-        config.precision == "fp16" or config.nonfinite == "skip"
-    ):
-        why = "precision fp16" if config.precision == "fp16" else "nonfinite 'skip'"
-        raise ValueError(
-            f"compression.type {method!r} keeps error-feedback state built from every step's "
-            f"gradients, and {why} discards steps after their gradients were reduced: the "
-            f"state would carry a discarded (or loss-scaled) step into the next. Use bf16 or "
-            f"fp32 with nonfinite 'raise', or compression.type 'terngrad' (no state)"
         )
 
 

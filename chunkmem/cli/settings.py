@@ -14,10 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from chunkmem.config import Config
 from chunkmem.config_errors import describe_validation_error
+from chunkmem.config_section import Section
 from chunkmem.deepspeed_config import from_deepspeed, is_deepspeed_config
 from chunkmem.errors import ConfigError
 
@@ -31,11 +32,7 @@ DEFAULT_ENGINE_CONFIG: dict[str, Any] = {
 }
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-
-
-class ModelSettings(_Section):
+class ModelSettings(Section):
     """The model ``chunkmem train`` builds (``chunkmem estimate`` reads the same section)."""
 
     build: str = Field(
@@ -58,7 +55,7 @@ class ModelSettings(_Section):
     )
 
 
-class TrainSettings(_Section):
+class TrainSettings(Section):
     """The training run."""
 
     steps: int = Field(300, ge=0, description="Optimizer steps the run ends at.")
@@ -86,7 +83,7 @@ class TrainSettings(_Section):
     prompt: str = Field("def ", description="What the sample continues.")
 
 
-class RunSettings(_Section):
+class RunSettings(Section):
     """A run file's own sections; every other key is the engine config."""
 
     model: ModelSettings = ModelSettings()
