@@ -184,6 +184,9 @@ NOT_NEEDED = {
         "minimum device, not that traffic",
     ),
     "compression.warmup_steps": "the estimate models the steady step, after the warm-up",
+    "compression.auto_min_gain": "a threshold of auto's choice; the estimate counts auto as "
+    "exact traffic and the largest candidate's memory, whatever it picks",
+    "compression.freeze_variance": "which Adam update runs; the variance chunk is held either way",
     **dict.fromkeys(
         ["compression.clip_sigma", "compression.seed"], "values sent, not their number of bytes"
     ),
