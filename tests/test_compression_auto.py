@@ -13,7 +13,7 @@ import pytest
 import chunkmem
 from chunkmem.errors import ConfigError
 from tests.distributed_helpers import run_ranks, run_threads
-from tests.test_compression import WORLD, _batch, _engine, train_and_checkpoint
+from tests.test_compression import WORLD, _batch, _engine
 from zero import compression as compression_package
 from zero.compression import judge as judge_module
 from zero.compression.judge import LinkProbe
@@ -86,22 +86,45 @@ def test_min_gain_keeps_the_exact_reduction(monkeypatch) -> None:
     assert {r["compression"]["auto"]["chosen"] for r in ours} == {"none"}
 
 
-def checkpointed_on_a_slow_link(comm, *args) -> dict:
-    """:func:`train_and_checkpoint` in a rank process with :func:`_slow_link`'s fakes."""
+def checkpointed_on_a_slow_link(comm, directory: str, save_at: int | None, resume: bool) -> dict:
+    """6 steps of ZeRO-2 bf16 with ``auto`` on :func:`_slow_link`'s link, saved after
+    ``save_at`` steps or resumed from ``directory``. A resumed process times no step (its
+    samples are empty): it can only go on compressing if the checkpoint kept the decision."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         _slow_link(monkeypatch)
-        return train_and_checkpoint(comm, *args)
+        if resume:
+            monkeypatch.setattr(judge_module.Judge, "_step_samples", lambda self: [])
+        engine = _engine(
+            comm, AUTO, 2, precision="bf16", gradient_clipping=1.0, chunk={"size": 512}
+        )
+        first = 0
+        if resume:
+            engine.load_checkpoint(directory)
+            first = engine.global_steps
+        losses = []
+        for step in range(first, 6):
+            loss = engine(*_batch(step, comm.rank))
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+            if step + 1 == save_at:
+                engine.save_checkpoint(directory)
+        return {"losses": losses, "decision": engine.run_summary().compression["auto"]}
 
 
 def test_a_resumed_run_keeps_the_decision(tmp_path) -> None:
-    """Saved after the decision (step 4), the resumed run goes on with 1-bit (its residuals and
-    the decision loaded), to the bit, without timing steps again."""
+    """Saved right after the decision (4 steps), the resumed run's two steps go on with 1-bit
+    (the decision and the residuals loaded), to the bit; a lost decision would reduce exactly
+    (the resumed process cannot decide again), and step 6's loss would differ."""
     target = str(tmp_path / "ckpt")
-    run = functools.partial(run_ranks, checkpointed_on_a_slow_link, 2, AUTO, target)
-    whole = run(5, False, timeout_s=60, deadline_s=120)
+    run = functools.partial(run_ranks, checkpointed_on_a_slow_link, 2, target)
+    whole = run(4, False, timeout_s=60, deadline_s=120)
     resumed = run(None, True, timeout_s=60, deadline_s=120)
     for rank in range(2):
-        assert resumed[rank]["losses"] == whole[rank]["losses"][5:]
+        assert resumed[rank]["losses"] == whole[rank]["losses"][4:]
+        assert resumed[rank]["decision"] == whole[rank]["decision"]
+        assert whole[rank]["decision"]["chosen"] == "onebit"
+        assert whole[rank]["decision"]["from_step"] == 4
 
 
 def test_the_decision_is_in_the_html_report(tmp_path) -> None:

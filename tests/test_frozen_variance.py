@@ -73,23 +73,26 @@ def test_update_equals_the_papers_reference(decoupled, grad_dtype, monkeypatch) 
 @pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
 def test_update_is_torchs_fused_step_on_the_frozen_variance(decoupled) -> None:
     """At the step the variance freezes, the update equals torch's fused Adam given the same
-    gradient: torch's kernel computes v_t itself, ours is handed v_t and told not to move it."""
+    (loss-scaled) gradient: torch's kernel computes v_t itself, ours is handed v_t and told not
+    to move it."""
     g = torch.Generator().manual_seed(5)
     param, grad = torch.randn(300, generator=g), torch.randn(300, generator=g)
     exp_avg, exp_avg_sq = 0.1 * torch.randn(300, generator=g), torch.rand(300, generator=g)
     step = torch.tensor(6.0)
     theirs = [param.clone(), exp_avg.clone(), exp_avg_sq.clone()]
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    scale = torch.tensor(8.0)
     kernel(
         [theirs[0]], [grad.clone()], [theirs[1]], [theirs[2]], [], [step.clone()], **HYPER,
-        amsgrad=False, maximize=False,
+        amsgrad=False, maximize=False, grad_scale=scale,
     )  # fmt: skip
-    grad_with_decay = grad if decoupled else grad + HYPER["weight_decay"] * param
+    unscaled = grad / 8.0
+    grad_with_decay = unscaled if decoupled else unscaled + HYPER["weight_decay"] * param
     frozen_v = HYPER["beta2"] * exp_avg_sq + (1 - HYPER["beta2"]) * grad_with_decay**2
     ours = [param.clone(), exp_avg.clone(), frozen_v.clone()]
     frozen_variance_adam_(
         [ours[0]], [grad], [ours[1]], [ours[2]], [], [step], **HYPER,
-        decoupled=decoupled, frozen_steps=6,
+        decoupled=decoupled, frozen_steps=6, grad_scale=scale,
     )  # fmt: skip
     assert torch.allclose(ours[0], theirs[0], rtol=0, atol=1e-6)
     assert torch.allclose(ours[1], theirs[1], rtol=0, atol=1e-7)
@@ -155,3 +158,21 @@ def test_the_variance_freezes_after_the_warmup(stage: int, offload: str) -> None
             assert any(not torch.equal(a, b) for a, b in zip(before, now, strict=True))
         for a, b in zip(ours[rank]["losses"], exact[rank]["losses"], strict=True):
             assert math.isfinite(a) and abs(a - b) <= 0.1 * b, (stage, offload, rank)
+
+
+def test_the_engine_freezes_at_the_last_warmup_step(monkeypatch) -> None:
+    """The update builder hands the frozen update ``frozen_steps`` = the warm-up's length
+    (the bias correction of the last exact step), on the compressed steps only."""
+    import chunkmem.layout_update as layout_update
+
+    calls: list[int] = []
+
+    def spy(*args, frozen_steps: int, **kwargs) -> None:
+        calls.append(frozen_steps)
+        frozen_variance_adam_(*args, frozen_steps=frozen_steps, **kwargs)
+
+    monkeypatch.setattr(layout_update, "frozen_variance_adam_", spy)
+    run_threads(train_with_moments, 2, FROZEN, 2, "none", 5, timeout_s=60)
+    assert calls and set(calls) == {FROZEN["warmup_steps"]}
+    # steps 3, 4 and 5 of each rank: one call per parameter group and layout each
+    assert len(calls) % 3 == 0
