@@ -533,7 +533,12 @@ def train_and_checkpoint(
         for layout in engine.params.trainable_layouts()
         if EF_RESIDUAL in layout.chunks
     }
-    return {"losses": losses, "residuals": residuals, "steps": engine.global_steps}
+    return {
+        "losses": losses,
+        "residuals": residuals,
+        "steps": engine.global_steps,
+        "compression": engine.run_summary().compression,
+    }
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 import chunkmem
 from chunkmem.errors import ConfigError
 from tests.distributed_helpers import run_ranks, run_threads
-from tests.test_compression import WORLD, _batch, _engine
+from tests.test_compression import WORLD, _batch, _engine, train_and_checkpoint
 from zero import compression as compression_package
 from zero.compression import judge as judge_module
 from zero.compression.judge import LinkProbe
@@ -87,29 +87,15 @@ def test_min_gain_keeps_the_exact_reduction(monkeypatch) -> None:
 
 
 def checkpointed_on_a_slow_link(comm, directory: str, save_at: int | None, resume: bool) -> dict:
-    """6 steps of ZeRO-2 bf16 with ``auto`` on :func:`_slow_link`'s link, saved after
-    ``save_at`` steps or resumed from ``directory``. A resumed process times no step (its
-    samples are empty): it can only go on compressing if the checkpoint kept the decision."""
+    """:func:`train_and_checkpoint` with ``auto`` on :func:`_slow_link`'s link. A resumed
+    process times no step (its samples are empty): it can only go on compressing if the
+    checkpoint kept the decision."""
     with pytest.MonkeyPatch.context() as monkeypatch:
         _slow_link(monkeypatch)
         if resume:
             monkeypatch.setattr(judge_module.Judge, "_step_samples", lambda self: [])
-        engine = _engine(
-            comm, AUTO, 2, precision="bf16", gradient_clipping=1.0, chunk={"size": 512}
-        )
-        first = 0
-        if resume:
-            engine.load_checkpoint(directory)
-            first = engine.global_steps
-        losses = []
-        for step in range(first, 6):
-            loss = engine(*_batch(step, comm.rank))
-            engine.backward(loss)
-            engine.step()
-            losses.append(float(loss.detach()))
-            if step + 1 == save_at:
-                engine.save_checkpoint(directory)
-        return {"losses": losses, "decision": engine.run_summary().compression["auto"]}
+        run = train_and_checkpoint(comm, AUTO, directory, save_at, resume)
+    return {"losses": run["losses"], "decision": run["compression"]["auto"]}
 
 
 def test_a_resumed_run_keeps_the_decision(tmp_path) -> None:
