@@ -44,7 +44,9 @@ class ComputeDevice(abc.ABC):
 
     @abc.abstractmethod
     def to_host(self, device_tensor: torch.Tensor, host: torch.Tensor) -> object | None:
-        """Start copying ``device_tensor`` into ``host``; returns an event to wait on."""
+        """Start copying ``device_tensor`` into ``host``; returns an event to wait on. The
+        caller keeps ``device_tensor`` until the event completed (chunkmem/drains.py): its
+        memory must not be reused while the copy still reads it."""
 
     def release(self, buffer: torch.Tensor) -> None:
         """``buffer`` (from ``empty`` or ``host_empty``) is no longer needed. CUDA's caching
@@ -58,6 +60,10 @@ class ComputeDevice(abc.ABC):
     @abc.abstractmethod
     def wait_host(self, event: object | None) -> None:
         """Block the host until ``event`` completed (before reading a host buffer)."""
+
+    @abc.abstractmethod
+    def completed(self, event: object | None) -> bool:
+        """Whether ``event`` has completed, without blocking."""
 
 
 class SimulatedDevice(ComputeDevice):
@@ -108,6 +114,9 @@ class SimulatedDevice(ComputeDevice):
 
     def wait_host(self, event: object | None) -> None:
         return None
+
+    def completed(self, event: object | None) -> bool:
+        return True
 
 
 class CudaDevice(ComputeDevice):
@@ -170,9 +179,10 @@ class CudaDevice(ComputeDevice):
             host.copy_(device_tensor, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        # The caller drops its reference to device_tensor next; keep the memory alive until
-        # the copy stream has read it.
-        device_tensor.record_stream(self.copy_stream)
+        # No record_stream: with it the allocator would keep the block, counted as allocated,
+        # until it next notices the event, so the meter would read the chunk's bytes as
+        # non-model memory and the ledger could not say when they are free. The caller holds
+        # device_tensor until the event completed instead (chunkmem/drains.py).
         return event
 
     def wait(self, event: object | None) -> None:
@@ -182,6 +192,9 @@ class CudaDevice(ComputeDevice):
     def wait_host(self, event: object | None) -> None:
         if event is not None:
             event.synchronize()  # type: ignore[attr-defined]
+
+    def completed(self, event: object | None) -> bool:
+        return event is None or bool(event.query())  # type: ignore[attr-defined]
 
 
 def _only_reference(buffer: torch.Tensor) -> bool:

@@ -584,6 +584,7 @@ class Engine:
             self._grad_hook_handles.clear()
             self.eval_cycles.remove_hooks()
             _ENGINE_OF.pop(self.module, None)
+            self.residency.settle_drains()  # no copy off the device outlives the engine
             self.residency.tiers.close()  # after the values were read from them
 
     def _restore_parameters(self) -> None:

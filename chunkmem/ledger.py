@@ -14,6 +14,10 @@ from dataclasses import dataclass, field
 from chunkmem.errors import OutOfMemoryError
 
 WORKSPACE = "workspace"  # transient buffers the engine allocates (e.g. fp32 gradient casts)
+# Device payloads of chunks that left the device while an asynchronous copy still reads them
+# (chunkmem/drains.py): no chunk's bytes, but the device holds them until the copy is done.
+DRAINING = "draining"
+NOT_MODEL_KINDS = frozenset({WORKSPACE, DRAINING})
 MOVED_ITERATIONS_KEPT = 1024
 
 
@@ -32,7 +36,7 @@ class TierAccount:
     peak_model: int = 0
     iteration_peak: int = 0  # the peak since the current iteration began
     model_bytes: int = 0  # chunks of every kind, workspaces excluded
-    workspace_bytes: int = 0
+    workspace_bytes: int = 0  # workspaces and draining payloads (NOT_MODEL_KINDS)
 
     @property
     def used(self) -> int:
@@ -44,7 +48,7 @@ class TierAccount:
 
     def add(self, kind: str, nbytes: int) -> None:
         self.by_kind[kind] += nbytes
-        if kind == WORKSPACE:
+        if kind in NOT_MODEL_KINDS:
             self.workspace_bytes += nbytes
         else:
             self.model_bytes += nbytes
@@ -182,6 +186,13 @@ class Ledger:
             )
         account.add(kind, -nbytes)
         self._record_allocation(tier, "free", kind, nbytes, owner)
+
+    def hand_over(self, tier: str, kind: str, to_kind: str, nbytes: int, owner: str) -> None:
+        """Bytes ``tier`` holds change kind (a chunk's payload that stays while a copy of it
+        drains): a free and an allocation, with no capacity check, since nothing grows."""
+        self.free(tier, kind, nbytes, owner)
+        self.tiers[tier].add(to_kind, nbytes)
+        self._record_allocation(tier, "alloc", to_kind, nbytes, owner)
 
     def _record_allocation(
         self, tier: str, action: str, kind: str, nbytes: int, owner: str

@@ -20,6 +20,7 @@ import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.devices import ComputeDevice
+from chunkmem.drains import Drains
 from chunkmem.errors import OutOfMemoryError
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.placement import Placement, plan_moment
@@ -73,6 +74,7 @@ class Residency:
         self._last_access: dict[int, int] = {}
         self._tick = 0
         self._transient_pins: list[Chunk] = []
+        self.drains = Drains(ledger, self.compute, device)
 
     # ------------------------------------------------------------------ payloads
     def new_chunk(
@@ -138,9 +140,14 @@ class Residency:
             del chunk.layout.chunks[chunk.kind]
 
     def _set_payload(
-        self, chunk: Chunk, payload: torch.Tensor | None, tier: StorageTier | None
+        self,
+        chunk: Chunk,
+        payload: torch.Tensor | None,
+        tier: StorageTier | None,
+        free_old: bool = True,
     ) -> None:
-        """The one place a payload changes: keeps the device indexes in step."""
+        """The one place a payload changes: keeps the device indexes in step. The old payload
+        goes back to its tier unless ``free_old`` is False (the drains free it later)."""
         dynamic = chunk.kind.dynamic
         if dynamic:
             self._dynamic_with_payload += (payload is not None) - (chunk.payload is not None)
@@ -153,7 +160,7 @@ class Residency:
             else:
                 self._static_bytes -= chunk.nbytes
         chunk.payload, chunk.tier = payload, tier
-        if old is not None:
+        if old is not None and free_old:
             old_tier.free(old)
         if tier is not None and tier.compute:
             self._device_storage[payload.untyped_storage().data_ptr()] = chunk
@@ -245,8 +252,12 @@ class Residency:
             raise
         if src.compute and self.listener is not None:
             self.listener.chunk_leaving(chunk)
-        self.ledger.free(src.name, chunk.kind.value, chunk.nbytes, owner)
-        self._set_payload(chunk, payload, dst)
+        draining = src.compute and event is not None  # the copy still reads the payload
+        if draining:
+            self.drains.hold(chunk.payload, event, chunk.kind.value, owner)
+        else:
+            self.ledger.free(src.name, chunk.kind.value, chunk.nbytes, owner)
+        self._set_payload(chunk, payload, dst, free_old=not draining)
         if device_bytes_change:
             self._restart_nonmodel_peak()
         chunk.pending_event = event
@@ -284,20 +295,28 @@ class Residency:
         return self.placement.rank(self.tracer, lambda c: self._last_access.get(c, -1))
 
     def evict_for(self, nbytes: int, limit: int, protect: set[int], reason: str) -> None:
-        """Evict movable dynamic chunks until ``nbytes`` more fit under ``limit`` and capacity."""
+        """Evict movable dynamic chunks until ``nbytes`` more fit under ``limit`` and capacity
+        (counting draining payloads as free: who needs the room waits for them)."""
         used = self._resident_bytes
-        device = self.compute.name
-        if used + nbytes <= limit and self.ledger.would_fit(device, nbytes):
+        if used + nbytes <= limit and self._fits_once_drained(nbytes):
             return
         candidates = [
             c.id for c in self._resident.values() if c.id not in protect and self.evictable(c)
         ]
         for victim_id in self._rank()(candidates):
-            if used + nbytes <= limit and self.ledger.would_fit(device, nbytes):
+            if used + nbytes <= limit and self._fits_once_drained(nbytes):
                 return
             victim = self.chunks[victim_id]
             self.move(victim, self.tiers.spill, reason)
             used -= victim.nbytes
+
+    def _fits_once_drained(self, nbytes: int) -> bool:
+        available = self.ledger.device.available
+        return available is None or nbytes <= available + self.drains.nbytes
+
+    def settle_drains(self) -> None:
+        """Wait for every copy off the device (the engine's close, a checkpoint)."""
+        self.drains.settle()
 
     def make_room(
         self, nbytes: int, protect: set[int], reason: str, within: RoomLimit = "budget"
@@ -311,6 +330,7 @@ class Residency:
         counted every dynamic chunk and the non-model peak. The zero recording budget would
         push out chunks that those allow for, onto a host that may not hold them.
         """
+        self.drains.reap()
         limit = (
             self.placement.chunk_budget(self.tracer, self.static_device_bytes())
             if within == "budget"
@@ -318,6 +338,7 @@ class Residency:
         )
         self.evict_for(nbytes, limit, protect, reason)
         device = self.compute.name
+        self.drains.settle(until=lambda: self.ledger.would_fit(device, nbytes))
         if not self.ledger.would_fit(device, nbytes):
             raise OutOfMemoryError(
                 device,
@@ -386,6 +407,7 @@ class Residency:
                 self.ready(chunk)
                 self.touch(chunk)
             return
+        self.drains.reap()
         protect = {c.id for c in chunks}
         budget = self.placement.chunk_budget(self.tracer, self.static_device_bytes())
         plan = plan_moment(
@@ -420,6 +442,7 @@ class Residency:
         """A module's pre-forward / pre-backward or a step: sample, then let go of pins."""
         self.release_transient_pins()
         self.trace_nonmodel_peak()  # the peak of the moment that ends here
+        self.drains.reap()
         nonmodel = self.device.meter.current(self.accounted_device_bytes())
         index = self.tracer.on_moment(moment, nonmodel)
         self.ledger.set_nonmodel(nonmodel)
@@ -428,6 +451,7 @@ class Residency:
 
     def after_access(self) -> None:
         """Once a moment's chunks are in: keep within the budget, then prefetch."""
+        self.drains.reap()
         all_resident = len(self._resident) == self._dynamic_with_payload
         lowest = self.placement.lowest_budget(self.tracer, self.static_device_bytes())
         if all_resident and lowest is not None and self._resident_bytes <= lowest:
@@ -462,6 +486,7 @@ class Residency:
         trace saw after that point (the loss after the last layer's forward), evicting now
         rather than after those bytes exist."""
         self.tracer.on_release()
+        self.drains.reap()
         budget = self.placement.release_budget(self.tracer, self.static_device_bytes())
         if self._resident_bytes > budget:
             self.evict_for(0, budget, protect=set(), reason="evict")
@@ -507,18 +532,25 @@ class Residency:
         then account them. Evicting first keeps the ledger's device peak within the capacity
         (the pressure valve: while a trace is recorded, activations not seen yet meet chunks
         the recording budget kept; see ``Placement.recording_budget``)."""
+        self.drains.reap()
         nonmodel = self.device.meter.current(self.accounted_device_bytes())
         capacity = self.ledger.device.capacity
         if capacity is None or self.accounted_device_bytes() + nonmodel <= capacity:
             self.account_nonmodel()
             return
+
+        def fits() -> bool:
+            return self.accounted_device_bytes() + nonmodel <= capacity
+
         resident = [c.id for c in self._resident.values() if self.evictable(c)]
         for victim_id in self._rank()(resident):
             self.move(self.chunks[victim_id], self.tiers.spill, "pressure")
-            if self.accounted_device_bytes() + nonmodel <= capacity:
-                self.account_nonmodel()
-                return
+            if self.accounted_device_bytes() - self.drains.nbytes + nonmodel <= capacity:
+                break
+        self.drains.settle(until=fits)
         self.account_nonmodel()
+        if fits():
+            return
         device = self.compute.name
         raise OutOfMemoryError(
             device,
