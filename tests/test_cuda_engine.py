@@ -46,6 +46,15 @@ CONFIG = GPTConfig(
 LR = 1e-4
 # Head-room the engine keeps above the traced non-model peak (placement.nonmodel_margin).
 NONMODEL_MARGIN = 0.1
+# The engine's host Adam against the reference's CUDA fused Adam: in 16-bit training a last-bit
+# difference of a master flips the 16-bit rounding of its parameter, and Adam turns the
+# resulting gradient noise on near-zero gradients into +-lr steps (up to 2 * LR * STEPS = 4e-3
+# per element). On the CPU, swapping torch's fused Adam for its single-tensor one alone gives
+# max_relative_diff 4.2e-3 (bf16) and 1.2e-3 (fp16), 2.0e-2 and 4.3e-3 of the update's norm
+# (fp32: 2.5e-6, 1.5e-5); an H200 gave 1.37e-2 (bf16) and 2.26e-3 (fp16). fp32, where every
+# evicted chunk is copied off the device and back, keeps the CPU test's 1e-5.
+GPU_TOLERANCE = {"fp32": TOLERANCE["fp32"], "bf16": 3e-2, "fp16": 5e-3}
+UPDATE_TOLERANCE = {"fp32": 1e-3, "bf16": 0.15, "fp16": 0.05}
 # Ledger moves of the update's streamed bytes (chunkmem/layout_update.py), not chunk copies.
 STREAMED = ("step gradients", "step values")
 
@@ -215,8 +224,34 @@ def test_gpt_larger_than_the_gpu_matches_plain_pytorch_on_it(precision: str) -> 
     masters = {name: value.cpu() for name, value in reference.masters.items()}
     assert losses == pytest.approx(reference.losses, rel=TOLERANCE[precision])
     ours = {k: v for k, v in ours.items() if k in masters}
-    assert max_relative_diff(ours, masters) <= TOLERANCE[precision]
+    assert max_relative_diff(ours, masters) <= GPU_TOLERANCE[precision], worst_tensors(
+        ours, masters
+    )
+    initial = {name: value.float() for name, value in model.state_dict().items()}
+    assert update_relative_diff(ours, masters, initial) <= UPDATE_TOLERANCE[precision]
     assert scaler_skips == reference.skipped_steps
+
+
+def worst_tensors(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> str:
+    """The three tensors furthest from the reference (for a failure's message)."""
+    diffs = {n: max_relative_diff({n: ours[n]}, {n: r}) for n, r in reference.items()}
+    return ", ".join(f"{n} {d:.2e}" for n, d in sorted(diffs.items(), key=lambda i: -i[1])[:3])
+
+
+def update_relative_diff(
+    ours: dict[str, torch.Tensor],
+    reference: dict[str, torch.Tensor],
+    initial: dict[str, torch.Tensor],
+) -> float:
+    """Max over tensors of ||ours - ref|| / ||ref - initial||: how far from the reference's
+    training the run went, relative to how far training went. Rounding noise flips the Adam
+    steps of a few near-zero gradients (a large max_relative_diff at those elements); a
+    missed copy or a stale read moves many elements."""
+    worst = 0.0
+    for name, ref in reference.items():
+        moved = float((ref.float() - initial[name]).norm())
+        worst = max(worst, float((ours[name].float() - ref.float()).norm()) / moved)
+    return worst
 
 
 def test_a_capacity_above_the_free_gpu_memory_is_refused_with_the_numbers() -> None:
