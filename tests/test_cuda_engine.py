@@ -54,7 +54,9 @@ NONMODEL_MARGIN = 0.1
 # (fp32: 2.5e-6, 1.5e-5); an H200 gave 1.37e-2 (bf16) and 2.26e-3 (fp16). fp32, where every
 # evicted chunk is copied off the device and back, keeps the CPU test's 1e-5.
 GPU_TOLERANCE = {"fp32": TOLERANCE["fp32"], "bf16": 3e-2, "fp16": 5e-3}
-UPDATE_TOLERANCE = {"fp32": 1e-3, "bf16": 0.15, "fp16": 0.05}
+# Of the update's norm, an H200 gave 3.1e-3 in fp32 (host against CUDA Adam); a stale read for
+# one of the 20 steps would be about 5e-2.
+UPDATE_TOLERANCE = {"fp32": 1e-2, "bf16": 0.15, "fp16": 0.05}
 # Ledger moves of the update's streamed bytes (chunkmem/layout_update.py), not chunk copies.
 STREAMED = ("step gradients", "step values")
 
