@@ -517,3 +517,53 @@ def test_a_ring_wait_has_one_timeout_for_all_its_steps(monkeypatch) -> None:
     # The raise shows the single deadline (a timeout per step lets all three 0.4 s steps
     # finish); this bound catches a wait that overran it, with room for a loaded machine.
     assert time.monotonic() - start < 1.8
+
+
+class _DoneStep:
+    def wait(self, timeout) -> bool:
+        return True
+
+
+def test_receive_buffers_are_reused_by_shape_and_kept_few() -> None:
+    from zero.ring import ReceiveBuffers
+
+    pool = ReceiveBuffers()
+    first = pool.take(torch.zeros(5))
+    pool.give_back(first)
+    assert pool.take(torch.zeros(5)) is first
+    assert pool.take(torch.zeros(5)) is not first, "handed out once, not twice"
+    assert pool.take(torch.zeros(5, dtype=torch.bfloat16)).dtype == torch.bfloat16
+    many = [pool.take(torch.zeros(3)) for _ in range(6)]
+    for buffer in many:
+        pool.give_back(buffer)
+    again = [pool.take(torch.zeros(3)) for _ in range(6)]
+    kept = {id(b) for b in many}
+    assert sum(id(b) in kept for b in again) == ReceiveBuffers.KEEP_PER_SHAPE
+
+
+def test_a_finished_reduce_scatter_ring_hands_its_receive_buffer_to_the_next(
+    monkeypatch,
+) -> None:
+    """[Note: reusing receive buffers] in zero/ring.py: one buffer serves consecutive rings of
+    a shape; a ring that failed keeps its own (a receive may still write into it)."""
+    from datetime import timedelta
+
+    from zero import ring as ring_module
+
+    pool = ring_module.ReceiveBuffers()
+    monkeypatch.setattr(ring_module, "RECEIVE_BUFFERS", pool)
+    monkeypatch.setattr(ring_module.RingWork, "_launch_step", lambda self: [_DoneStep()])
+    full, shard = torch.arange(8.0), torch.zeros(4)
+    first = ring_module.RingWork(full, shard, (0, 1), 0, None, reduce=True, tag=0)
+    buffer = first._received
+    first.wait(timedelta(seconds=5))
+    second = ring_module.RingWork(full, shard, (0, 1), 0, None, reduce=True, tag=1)
+    assert second._received is buffer
+    second.wait(timedelta(seconds=5))
+
+    monkeypatch.setattr(ring_module.RingWork, "_launch_step", lambda self: [_SlowStep(2.0)])
+    failing = ring_module.RingWork(full, shard, (0, 1), 0, None, reduce=True, tag=2)
+    assert failing._received is buffer
+    with pytest.raises(RuntimeError):
+        failing.wait(timedelta(seconds=0.1))
+    assert pool.take(shard) is not buffer, "a failed ring's buffer is not reused"

@@ -20,6 +20,7 @@ and untagged messages between the same pair would be matched to the wrong ring.
 
 from __future__ import annotations
 
+import threading
 import time
 from datetime import timedelta
 
@@ -27,6 +28,45 @@ import torch
 import torch.distributed as dist
 
 from zero.identity import DIAGNOSE_TAG
+
+
+class ReceiveBuffers:
+    """Receive buffers of finished reduce-scatter rings, kept for the next ring of the same
+    shape (a few per shape; ranks of an in-process world share them, so under a lock).
+
+    [Note: reusing receive buffers] A ring allocated a fresh shard-sized buffer per
+    reduce-scatter. Shards of the demo's chunks are about 130 KB, right at glibc's dynamic mmap
+    threshold: after the first such buffer is freed the threshold rises and later ones come
+    from the heap, which fragments, and the RSS of a long ZeRO-2 run grew in steps (1-3 MB over
+    10,000 steps; docs/benchmarks.md#soak). A buffer is handed back only by a ring that
+    finished: after a failure a receive may still be writing into it.
+    """
+
+    KEEP_PER_SHAPE = 4
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(tensor: torch.Tensor) -> tuple:
+        return tensor.numel(), tensor.dtype, tensor.device
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            kept = self._free.get(self._key(like))
+            if kept:
+                return kept.pop()
+        return torch.empty_like(like)
+
+    def give_back(self, buffer: torch.Tensor) -> None:
+        with self._lock:
+            kept = self._free.setdefault(self._key(buffer), [])
+            if len(kept) < self.KEEP_PER_SHAPE:
+                kept.append(buffer)
+
+
+RECEIVE_BUFFERS = ReceiveBuffers()
 
 
 class RingWork:
@@ -53,7 +93,7 @@ class RingWork:
         self._n = shard.numel()
         self._step = 0
         self._steps = size - 1
-        self._received = torch.empty_like(shard) if reduce else None
+        self._received = RECEIVE_BUFFERS.take(shard) if reduce and self._steps else None
         # Reduce-scatter accumulates into a copy of this rank's segments, never into ``full``.
         self._accumulated = full.clone() if reduce and size > 2 else None
         if not reduce:
@@ -98,6 +138,9 @@ class RingWork:
                 else self._segment(self._accumulated, index)
             )
             torch.add(self._segment(self._full, index), self._received, out=target)
+            if self._step == self._steps - 1:
+                RECEIVE_BUFFERS.give_back(self._received)
+                self._received = None
         self._step += 1
         self._works = self._launch_step() if self._step < self._steps else []
 
