@@ -136,9 +136,16 @@ def check_compression(config: Config) -> None:
             f"compression.type {method!r} and zero.quantized_gradients both replace the "
             f"gradient reduce-scatter; choose one"
         )
-    if method in ERROR_FEEDBACK_METHODS and (
-        config.precision == "fp16" or config.nonfinite == "skip"
-    ):
+    skips = config.precision == "fp16" or config.nonfinite == "skip"
+    if config.compression.freeze_variance and skips:
+        why = "precision fp16" if config.precision == "fp16" else "nonfinite 'skip'"
+        raise ValueError(
+            f"compression.freeze_variance corrects each frozen step by the parameter's last "
+            f"exact step, counted back from the compressor's steps; {why} skips optimizer "
+            f"steps the compressor counts, so the count back would be wrong. Use bf16 or fp32 "
+            f"with nonfinite 'raise', or leave freeze_variance off"
+        )
+    if method in ERROR_FEEDBACK_METHODS and skips:
         why = "precision fp16" if config.precision == "fp16" else "nonfinite 'skip'"
         raise ValueError(
             f"compression.type {method!r} keeps error-feedback state built from every step's "

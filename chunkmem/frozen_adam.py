@@ -37,7 +37,7 @@ def frozen_variance_adam_(
     weight_decay: float,
     eps: float,
     decoupled: bool,
-    frozen_steps: int,
+    steps_frozen: int,
     amsgrad: bool = False,
     maximize: bool = False,
     grad_scale: torch.Tensor | None = None,
@@ -46,19 +46,29 @@ def frozen_variance_adam_(
     num_threads: int | None = None,
 ) -> None:
     """One Adam (``decoupled``: AdamW) step in place that reads ``exp_avg_sqs`` and leaves them
-    as they are, with their bias correction ``1 - beta2 ** frozen_steps``. Gradients are divided
+    as they are, with the bias correction of the step that last moved them: each parameter's
+    own ``1 - beta2 ** (step - steps_frozen)``, ``steps_frozen`` counting this step and the
+    earlier frozen ones (a parameter's step count, not the compressor's, so a run resumed from
+    a checkpoint without the compressor's count still corrects by its own last exact step). Gradients are divided
     by ``grad_scale`` (not in place) and widened to fp32; 16-bit states and ``params_out`` are
     rounded to nearest-even when stored. ``num_threads`` is torch's (unused here)."""
     if amsgrad or maximize or max_exp_avg_sqs or found_inf is not None:
         raise ValueError(
             "the frozen-variance update supports neither amsgrad, maximize nor found_inf"
         )
-    if frozen_steps < 1:
-        raise ValueError(f"frozen_steps must be >= 1 (steps of exact warm-up), got {frozen_steps}")
-    bias_correction2_sqrt = math.sqrt(1 - beta2**frozen_steps)
+    if steps_frozen < 1:
+        raise ValueError(f"steps_frozen must be >= 1 (this step is frozen), got {steps_frozen}")
     scale = None if grad_scale is None else float(grad_scale)
     for index, param in enumerate(params):
         step = float(state_steps[index])
+        last_exact = step - steps_frozen
+        if last_exact < 1:
+            raise ValueError(
+                f"a parameter at Adam step {step:g} has had no exact step before its variance "
+                f"froze {steps_frozen} steps ago: its second moment is all zeros. Give "
+                f"compression.warmup_steps >= 1 exact steps after it starts training"
+            )
+        bias_correction2_sqrt = math.sqrt(1 - beta2**last_exact)
         step_size = lr / (1 - beta1**step)
         out = None if params_out is None else params_out[index]
         for start in range(0, param.numel(), SLICE_ELEMENTS):

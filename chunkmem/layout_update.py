@@ -402,11 +402,11 @@ class UpdateBuilder:
         """The update that keeps Adam's second moment, once the reducer's schedule says it
         is frozen (1-bit Adam's second stage); None for the usual one."""
         variance = self.grads.reducer.variance
-        frozen = None if variance is None else variance.frozen_after()
+        frozen = None if variance is None else variance.steps_frozen()
         if frozen is None:
             return None
         return functools.partial(
-            frozen_variance_adam_, decoupled=self.decoupled, frozen_steps=frozen
+            frozen_variance_adam_, decoupled=self.decoupled, steps_frozen=frozen
         )
 
     def _hyper_parameters(self, group_index: int) -> dict[str, float]:

@@ -206,9 +206,10 @@ class VarianceSchedule(Protocol):
     """When a reduction asks Adam to stop updating its second moment (1-bit Adam's second
     stage: compressed gradients would distort it)."""
 
-    def frozen_after(self) -> int | None:
-        """The step count whose second moment the update keeps from now on (its bias
-        correction included), or None while it updates as usual."""
+    def steps_frozen(self) -> int | None:
+        """How many steps, this one included, the update has kept the second moment (each
+        parameter's bias correction is that of its own last exact step), or None while it
+        updates as usual."""
         ...
 
 

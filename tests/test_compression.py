@@ -457,6 +457,14 @@ def test_compression_composes_with_offload_accumulation_and_hpz(
             {"zero": {"stage": 2}, "compression": {"freeze_variance": True, "warmup_steps": 5}},
             "compression.type is 'none'",
         ),
+        (
+            {
+                "zero": {"stage": 2},
+                "precision": "fp16",
+                "compression": {"type": "terngrad", "warmup_steps": 2, "freeze_variance": True},
+            },
+            "freeze_variance corrects each frozen step",
+        ),
     ],
     ids=[
         "stage0",
@@ -469,6 +477,7 @@ def test_compression_composes_with_offload_accumulation_and_hpz(
         "block",
         "freeze-no-warmup",
         "freeze-none",
+        "freeze-fp16",
     ],  # fmt: skip
 )
 def test_refused_combinations_say_why(config: dict, message: str) -> None:

@@ -158,3 +158,44 @@ def test_auto_in_the_estimate_is_exact_traffic_and_the_largest_state() -> None:
     assert auto.state_bytes(layout) == {"ef_residual": 4 * 4096, "powersgd_q": 0}
     # TernGrad's fp32 copy of the gradient is the largest buffer
     assert auto.buffer_bytes(layout) == max(c.buffer_bytes(layout) for c in methods) > 0
+
+
+def test_on_a_world_of_one_auto_keeps_the_exact_reduction() -> None:
+    """One rank sends nothing across ranks: the judge decides 'none' without dividing by the
+    probe's zero bandwidth, and training is exact training."""
+    ours = run_threads(train, 1, AUTO, 6, timeout_s=60)
+    exact = run_threads(train, 1, {"type": "none"}, 6, timeout_s=60)
+    assert ours[0]["losses"] == exact[0]["losses"]
+    decision = ours[0]["compression"]["auto"]
+    assert decision["chosen"] == "none" and "world of one" in decision["reason"]
+
+
+def train_failing_on_rank_1(comm, steps: int) -> str:
+    """Rank 1's codec timing raises; every rank reports what its step raised."""
+    engine = _engine(comm, AUTO, 2, precision="bf16", gradient_clipping=1.0, chunk={"size": 512})
+    judge = engine.reducer.state.decision
+    if comm.rank == 1:
+
+        def broken(layouts, device) -> float:
+            raise RuntimeError("codec timing broke")
+
+        for name, candidate in judge.candidates.items():
+            judge.candidates[name] = type(candidate)(candidate.reduction, candidate.costs, broken)
+    try:
+        for step in range(steps):
+            loss = engine(*_batch(step, comm.rank))
+            engine.backward(loss)
+            engine.step()
+    except Exception as error:  # noqa: BLE001 - the test reads what each rank raised
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_a_rank_failing_to_measure_makes_every_rank_raise_at_once() -> None:
+    """The agreeing all-reduce carries a failure flag: rank 0 raises too, at the decision,
+    instead of waiting for rank 1 until the collective timeout (60 s here)."""
+    raised = run_threads(train_failing_on_rank_1, WORLD, 6, timeout_s=60, deadline_s=30)
+    assert "could not time the candidates' codecs on this rank" in raised[1]
+    assert "codec timing broke" in raised[1]
+    assert all("could not time the candidates' codecs" in r for r in raised), raised
+    assert "on another rank" in raised[0]

@@ -36,6 +36,7 @@ import torch
 
 from chunkmem.chunk import ChunkLayout
 from chunkmem.costs import Traffic
+from chunkmem.errors import EngineUsageError
 from chunkmem.params import ParamStore
 from chunkmem.sharding import Waitable
 from kernels import compression as codes_ops
@@ -141,14 +142,32 @@ class Judge:
         return [b - a for a, b in zip(starts[1:-1], starts[2:], strict=False)]
 
     def decide(self, device: torch.device, itemsize: int) -> Decision:
-        """Measure, agree with the other ranks, pick; logs the decision."""
+        """Measure, agree with the other ranks, pick; logs the decision. A rank whose
+        measurement fails still joins the agreement (with a flag), so every rank raises
+        instead of the others waiting for it until the timeout."""
+        step_s = statistics.median(self._step_samples())
+        if self.comm.size == 1:
+            return self._decided(
+                "none", "a world of one reduces nothing across ranks", 0.0, step_s, {}, {}, {}
+            )
         layouts = self.params.trainable_layouts()
         names = list(self.candidates)
-        local = [statistics.median(self._step_samples())]
-        local += [self.candidates[m].codec_seconds(layouts, device) for m in names]
-        agreed = torch.tensor(local, dtype=torch.float32, device=device)
+        failure: Exception | None = None
+        try:
+            codec_local = [self.candidates[m].codec_seconds(layouts, device) for m in names]
+        except Exception as error:  # re-raised below, after the other ranks heard of it
+            failure, codec_local = error, [0.0] * len(names)
+        agreed = torch.tensor(
+            [step_s, *codec_local, float(failure is not None)], dtype=torch.float32, device=device
+        )
         self.comm.all_reduce(agreed, op="max")
-        step_s, *codec = (float(v) for v in agreed)
+        step_s, *codec, failed = (float(v) for v in agreed)
+        if failed:
+            raise EngineUsageError(
+                "compression 'auto' could not time the candidates' codecs "
+                + (f"on this rank: {failure!r}" if failure else "on another rank (see its log)")
+                + "; choose compression.type explicitly"
+            ) from failure
         assert self.comm.topology is not None  # the strategy sets it
         exact = ExactReduceScatterCosts(self.comm.topology, itemsize, self.phase)
         wire = {"none": _bytes_sent(exact.traffic, layouts)}
@@ -176,6 +195,18 @@ class Judge:
                 f"{step_s:.4g} s per step, below min_gain {self.min_gain:.0%}: the link "
                 f"({bandwidth / 1e6:.4g} MB/s) is not the bottleneck"
             )
+        return self._decided(chosen, reason, bandwidth, step_s, predicted, wire, codec_s)
+
+    def _decided(
+        self,
+        chosen: str,
+        reason: str,
+        bandwidth: float,
+        step_s: float,
+        predicted: dict[str, float],
+        wire: dict[str, int],
+        codec_s: dict[str, float],
+    ) -> Decision:
         self.decision = Decision(
             chosen, self.counter.steps, reason, bandwidth, step_s, predicted, wire, codec_s,
             self.probe.total_s,

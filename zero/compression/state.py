@@ -61,9 +61,11 @@ class VarianceFreeze:
         self.counter = counter
         self.compressed_from = compressed_from
 
-    def frozen_after(self) -> int | None:
+    def steps_frozen(self) -> int | None:
         first = self.compressed_from()
-        return None if first is None or self.counter.steps < first else first - 1
+        return (
+            None if first is None or self.counter.steps < first else self.counter.steps - first + 1
+        )
 
 
 class KeptDecision(Protocol):
