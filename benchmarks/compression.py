@@ -212,7 +212,14 @@ def time_to_loss(entry: dict, target: float, window: int) -> float | None:
     """Seconds of steps until the loss's moving average first reaches ``target`` (``auto``:
     from its link probe at initialize on)."""
     round_ = entry["rounds"][0]
-    elapsed = entry["auto"]["probe_s"] if "auto" in entry else 0.0
+    elapsed = 0.0
+    if "auto" in entry:
+        if entry["auto"] is None:
+            raise RuntimeError(
+                "compression 'auto' never decided in this run (its warm-up outlasted the "
+                "steps): its time to loss has no probe time to count; run more steps"
+            )
+        elapsed = entry["auto"]["probe_s"]
     smoothed_losses = moving_average(round_["losses"], window)
     for seconds, smoothed in zip(round_["step_s"], smoothed_losses, strict=True):
         elapsed += seconds

@@ -79,6 +79,26 @@ def test_on_a_slow_link_auto_trains_as_the_method_it_picks(monkeypatch) -> None:
         assert ours[rank]["losses"] == fixed[rank]["losses"]
 
 
+def test_each_collective_pays_the_probed_latency(monkeypatch) -> None:
+    """A link of 1 kB/s whose collectives each take 0.05 s besides: every prediction adds
+    its method's collectives (the cost models' traffic entries) times the latency, the exact
+    one's taken out of the measured step with its bytes."""
+    _slow_link(monkeypatch)
+    monkeypatch.setattr(
+        compression_package,
+        "probe_link",
+        lambda comm, device: LinkProbe(1000, 1.0, 0.0, latency_s=0.05),
+    )
+    decision = run_threads(train, WORLD, AUTO, 5, timeout_s=60)[0]["compression"]["auto"]
+    wire, collectives = decision["wire_bytes"], decision["collectives"]
+    assert decision["latency_s"] == 0.05
+    assert collectives["none"] >= 1 and collectives["powersgd"] > collectives["none"]
+    compute = 3.0 - wire["none"] / 1000 - collectives["none"] * 0.05
+    for method, codec in decision["codec_s"].items():
+        link = wire[method] / 1000 + collectives[method] * 0.05
+        assert decision["predicted_s"][method] == pytest.approx(compute + link + codec, rel=1e-6)
+
+
 def test_min_gain_keeps_the_exact_reduction(monkeypatch) -> None:
     """The same slow link with a gain threshold no method can reach (0.99): none."""
     _slow_link(monkeypatch)

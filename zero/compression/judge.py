@@ -4,18 +4,22 @@ Three measurements, each agreed by all ranks (the slowest rank's value, one all-
 every rank picks alike:
 
 - **the link**: a short probe at initialize, a timed all-reduce of ``PROBE_ELEMENTS`` fp32
-  (median of three after one untimed); bandwidth = the bytes each rank sends / its time;
+  (median of three after one untimed); bandwidth = the bytes each rank sends / its time; and
+  the same for an all-reduce of one element: each collective's latency;
 - **the step**: the median time between the starts of the warm-up's exact steps (the first
   step of the process, which builds and allocates, left out);
 - **the codec**: each candidate's encode and decode timed on scratch data on the gradients'
-  device, scaled to this rank's gradient elements (PowerSGD: its three products per matrix).
+  device, scaled to this rank's gradient elements (PowerSGD: its three products per matrix,
+  plus the same work on a tiny matrix once per matrix, for its fixed cost per matrix).
 
-Wire bytes are the estimate's cost models (``traffic`` per layout). The prediction is
+Wire bytes and collectives per step are the estimate's cost models (``traffic`` per layout:
+one entry per collective). The prediction is
 
+    link(m) = wire(m) / bandwidth + collectives(m) * latency
     T(none) = the measured exact step
-    T(m)    = T(none) - wire(none) / bandwidth + wire(m) / bandwidth + codec(m)
+    T(m)    = T(none) - link(none) + link(m) + codec(m)
 
-(``T(none) - wire(none) / bandwidth`` floored at 0), and the judge picks the fastest candidate only if it beats ``T(none)`` by ``min_gain``:
+(``T(none) - link(none)`` floored at 0), and the judge picks the fastest candidate only if it beats ``T(none)`` by ``min_gain``:
 compression costs convergence too (Agarwal et al. found it rarely pays against a tuned exact
 baseline), so a small predicted gain keeps the exact reduction. The model takes the exact
 reduction as not overlapped with compute; where it is, the real gain is smaller, and
@@ -58,12 +62,14 @@ _log = logging.getLogger("chunkmem")
 
 @dataclass(frozen=True)
 class LinkProbe:
-    """The probe's all-reduce: bytes each rank sent, its median time (the slowest rank's) and
-    the whole probe's wall time."""
+    """The probe's all-reduce: bytes each rank sent, its median time (the slowest rank's),
+    the whole probe's wall time, and the median time of a one-element all-reduce (the
+    latency every collective pays)."""
 
     bytes_sent: int
     seconds: float
     total_s: float
+    latency_s: float = 0.0
 
     @property
     def bandwidth(self) -> float:
@@ -73,18 +79,22 @@ class LinkProbe:
 def probe_link(comm: Communicator, device: torch.device) -> LinkProbe:
     """Time an all-reduce on ``comm``'s world (every rank calls this at the same point)."""
     started = time.perf_counter()
-    buffer = torch.zeros(PROBE_ELEMENTS, device=device)
     with comm.serving("link_probe"):
-        comm.all_reduce(buffer)  # untimed: connections and first-touch
-        times = []
-        for _ in range(REPEATS):
-            began = time.perf_counter()
-            comm.all_reduce(buffer)
-            times.append(time.perf_counter() - began)
-        slowest = torch.tensor([statistics.median(times)], device=device)
+        medians = []
+        for elements in (PROBE_ELEMENTS, 1):
+            buffer = torch.zeros(elements, device=device)
+            comm.all_reduce(buffer)  # untimed: connections and first-touch
+            times = []
+            for _ in range(REPEATS):
+                began = time.perf_counter()
+                comm.all_reduce(buffer)
+                times.append(time.perf_counter() - began)
+            medians.append(statistics.median(times))
+        slowest = torch.tensor(medians, device=device)
         comm.all_reduce(slowest, op="max")
     sent = 4 * elements_sent_per_rank("all_reduce", PROBE_ELEMENTS, comm.size)
-    return LinkProbe(sent, float(slowest), time.perf_counter() - started)
+    seconds, latency = (float(v) for v in slowest)
+    return LinkProbe(sent, seconds, time.perf_counter() - started, latency)
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,8 @@ class Decision:
     wire_bytes: dict[str, int]
     codec_s: dict[str, float]
     probe_s: float
+    latency_s: float = 0.0
+    collectives: dict[str, int] | None = None
 
 
 class Judge:
@@ -170,16 +182,21 @@ class Judge:
             ) from failure
         assert self.comm.topology is not None  # the strategy sets it
         exact = ExactReduceScatterCosts(self.comm.topology, itemsize, self.phase)
-        wire = {"none": _bytes_sent(exact.traffic, layouts)}
-        wire |= {m: _bytes_sent(self.candidates[m].costs.traffic, layouts) for m in names}
-        bandwidth = self.probe.bandwidth
-        # what the step spends besides the exact reduction's wire time (at least nothing: a
+        traffic = {"none": exact.traffic} | {m: self.candidates[m].costs.traffic for m in names}
+        wire = {m: _bytes_sent(t, layouts) for m, t in traffic.items()}
+        collectives = {m: sum(len(t(layout)) for layout in layouts) for m, t in traffic.items()}
+        bandwidth, latency = self.probe.bandwidth, self.probe.latency_s
+
+        def link(m: str) -> float:
+            return wire[m] / bandwidth + collectives[m] * latency
+
+        # what the step spends besides the exact reduction's link time (at least nothing: a
         # probe slower than the step implies means the reduction overlapped compute)
-        compute = max(0.0, step_s - wire["none"] / bandwidth)
+        compute = max(0.0, step_s - link("none"))
         predicted = {"none": step_s}
         codec_s = dict(zip(names, codec, strict=True))
         for m in names:
-            predicted[m] = compute + wire[m] / bandwidth + codec_s[m]
+            predicted[m] = compute + link(m) + codec_s[m]
         best = min(names, key=lambda m: (predicted[m], m))
         gain = 1 - predicted[best] / step_s
         if gain >= self.min_gain:
@@ -195,7 +212,9 @@ class Judge:
                 f"{step_s:.4g} s per step, below min_gain {self.min_gain:.0%}: the link "
                 f"({bandwidth / 1e6:.4g} MB/s) is not the bottleneck"
             )
-        return self._decided(chosen, reason, bandwidth, step_s, predicted, wire, codec_s)
+        return self._decided(
+            chosen, reason, bandwidth, step_s, predicted, wire, codec_s, collectives
+        )
 
     def _decided(
         self,
@@ -206,10 +225,11 @@ class Judge:
         predicted: dict[str, float],
         wire: dict[str, int],
         codec_s: dict[str, float],
+        collectives: dict[str, int] | None = None,
     ) -> Decision:
         self.decision = Decision(
             chosen, self.counter.steps, reason, bandwidth, step_s, predicted, wire, codec_s,
-            self.probe.total_s,
+            self.probe.total_s, self.probe.latency_s, collectives,
         )  # fmt: skip
         _log.info("compression auto: %s (%s)", chosen, reason)
         return self.decision
@@ -309,14 +329,22 @@ def powersgd_codec_seconds(
         m = torch.randn(rows, cols, generator=generator).to(device)
         q = torch.randn(cols, settings.rank, generator=generator).to(device)
 
-        def once() -> None:
-            p = m @ q
-            orthogonalize(p)
-            new_q = m.T @ p
-            torch.sub(m, p @ new_q.T)
+        def step_on(m: torch.Tensor, q: torch.Tensor) -> Callable[[], None]:
+            def once() -> None:
+                p = m @ q
+                orthogonalize(p)
+                new_q = m.T @ p
+                torch.sub(m, p @ new_q.T)
 
+            return once
+
+        side = settings.rank
+        tiny_m = torch.randn(side, side, generator=generator).to(device)
+        tiny_q = torch.randn(side, settings.rank, generator=generator).to(device)
+        per_matrix = _median_seconds(step_on(tiny_m, tiny_q), device)  # the fixed cost
         work = sum(x.rows * x.cols for x in matrices)
-        return _median_seconds(once, device) * work / (rows * cols)
+        scaled = _median_seconds(step_on(m, q), device) * work / (rows * cols)
+        return scaled + per_matrix * len(matrices)
 
     return seconds
 
