@@ -23,6 +23,7 @@ and runs it on a host thread; ``step`` finishes those and updates the others.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -123,6 +124,9 @@ class ChunkAdam:
         # a half update counts; reset when the step ends, and by an abort's cancel.
         self.layouts_updated = 0
         self.launched: dict[int, LayoutUpdate] = {}  # layout index -> update begun early
+        # Early updates whose run is over, appended by the thread that ran them, so that
+        # retiring them (at every gradient backward stores) does not poll every launched one.
+        self._ran: collections.deque[LayoutUpdate] = collections.deque()
         # Where early updates are speculative (offload/speculation.py sets it): what makes
         # them undoable. The loss scale of the backward running, which they divide by.
         self.speculation: SpeculationLike | None = None
@@ -169,6 +173,7 @@ class ChunkAdam:
         finally:
             self.gatherer.finish_step()
         self.layouts_updated = 0
+        self._ran.clear()  # every early update finished above
 
     # ------------------------------------------------------------------ early updates
     def start_early(
@@ -200,6 +205,7 @@ class ChunkAdam:
         self.layouts_updated += 1
         self.launched[layout.index] = update
         update.pending = submit(update.run)
+        update.pending.add_done_callback(lambda _run: self._ran.append(update))
         return True
 
     def take_ahead(
@@ -230,8 +236,9 @@ class ChunkAdam:
 
     def retire_early(self) -> None:
         """Finish the early updates whose run is over, releasing their chunks now."""
-        for update in self.launched.values():
-            if not update.finished and update.pending is not None and update.pending.done():
+        while self._ran:
+            update = self._ran.popleft()
+            if not update.finished:
                 update.wait()
                 update.finish()
 
@@ -264,6 +271,7 @@ class ChunkAdam:
         holds; the first error is raised after all are released."""
         launched, self.launched = self.launched, {}
         self.layouts_updated = 0
+        self._ran.clear()  # finished below, whether they ran or not
         error: BaseException | None = None
         for update in launched.values():
             try:

@@ -60,6 +60,7 @@ class OverlappedStep:
         self._order: list[int] = []  # layout indices, as they became final last cycle
         self._now: list[int] = []
         self._waiting: list[ChunkLayout] = []  # final, but a unit still holds a chunk
+        self._trainable: dict[int, ChunkLayout] | None = None  # by index, for this cycle
         self.started = 0  # updates started early, over the run
         reducer.listener = self
 
@@ -67,6 +68,7 @@ class OverlappedStep:
         """The host thread is idle until backward's first final gradients: copies that make
         this step's speculative updates undoable are taken now, in the order the layouts
         became final last cycle (offload/speculation.py, [Note: copies taken ahead])."""
+        self._trainable = None  # parameters may have been frozen or unfrozen since
         if self.optimizer.speculation is None:
             return  # every forward passes here: nothing to do without speculation
         self.optimizer.take_ahead(self._layouts(self._now or self._order), self._executor.submit)
@@ -76,6 +78,7 @@ class OverlappedStep:
             self._order = self._now
         self._now = []
         self._waiting = []
+        self._trainable = None
 
     def final(self, layout: ChunkLayout) -> None:
         self._now.append(layout.index)
@@ -121,7 +124,10 @@ class OverlappedStep:
 
     def _layouts(self, indices: list[int]) -> list[ChunkLayout]:
         """The trainable layouts of ``indices``, in that order."""
-        by_index = {layout.index: layout for layout in self.optimizer.params.trainable_layouts()}
+        if self._trainable is None:
+            layouts = self.optimizer.params.trainable_layouts()
+            self._trainable = {layout.index: layout for layout in layouts}
+        by_index = self._trainable
         return [by_index[i] for i in indices if i in by_index]
 
 
