@@ -53,6 +53,20 @@ def native_host_optimizer() -> ModuleType | None:
     return host_optim
 
 
+def fp32_norms(tensors: list[torch.Tensor], host_threads: int | None) -> list[torch.Tensor]:
+    """The fp32 L2 norm of each gradient, on the CPU: the native kernel's where they are host
+    tensors of one dtype (one summation order, so the norm an early update measures and the
+    one the step measures are the same bits), torch's on a device or without the library."""
+    kernels = native_host_optimizer()
+    if (
+        kernels is not None
+        and tensors
+        and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors)
+    ):
+        return kernels.norms(tensors, host_threads)
+    return [n.cpu() for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)]
+
+
 class LayoutUpdate:
     """One layout's update, prepared and finished on the engine's thread; ``run`` may be
     called on any thread (see [Note: an update in three parts])."""
@@ -98,8 +112,7 @@ class LayoutUpdate:
         for hook in self.before_run:
             hook()
         if self.measure_grad_norms and self._grads:
-            norms = torch._foreach_norm(self._grads, 2, dtype=torch.float32)
-            self.grad_norms = [n.cpu() for n in norms]
+            self.grad_norms = fp32_norms(self._grads, self._builder.host_threads)
         self._builder.run_calls(self._calls)
 
     def wait(self) -> None:

@@ -33,7 +33,13 @@ import torch
 
 from chunkmem.chunk import ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.errors import ConfigError
-from chunkmem.layout_update import LayoutUpdate, Piece, UpdateBuilder, owned_pieces
+from chunkmem.layout_update import (
+    LayoutUpdate,
+    Piece,
+    UpdateBuilder,
+    fp32_norms,
+    owned_pieces,
+)
 from chunkmem.tracer import Moment, Phase
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -340,7 +346,7 @@ class ChunkAdam:
         for chunk in dict.fromkeys(sources):
             self.residency.ready(chunk)
         views = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
-        return [n.cpu() for n in torch._foreach_norm(views, 2, dtype=torch.float32)]
+        return fp32_norms(views, self.updates.host_threads)
 
 
 def clip_coefficient(total_norm: float, max_norm: float) -> float:

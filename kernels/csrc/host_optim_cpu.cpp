@@ -11,6 +11,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <new>
 #include <type_traits>
@@ -198,6 +199,47 @@ typename T::Raw* as(void* p) {
   return static_cast<typename T::Raw*>(p);
 }
 
+// [Note: one summation order] A tensor's sum of squares is the sum, in double and in order, of
+// its blocks' sums; a block's is the sum, in double and in order, of 32 fp32 lanes, element i
+// of the block adding x*x to lane i % 32 with one rounding (fmaf, as _mm256_fmadd_ps). The
+// AVX2 and scalar builds, and every thread count, give the same bits.
+constexpr int kNormLanes = 32;
+
+template <class G>
+double block_sum_of_squares(const typename G::Raw* g, int64_t begin, int64_t end) {
+  float lanes[kNormLanes] = {};
+  int64_t i = begin;
+#if HOST_OPTIM_HAVE_AVX2
+  __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                   _mm256_setzero_ps()};
+  for (; i + kNormLanes <= end; i += kNormLanes) {
+    for (int k = 0; k < 4; ++k) {
+      const __m256 x = cmo::avx2::load8<G>(g + i + 8 * k);
+      acc[k] = _mm256_fmadd_ps(x, x, acc[k]);
+    }
+  }
+  for (int k = 0; k < 4; ++k) _mm256_storeu_ps(lanes + 8 * k, acc[k]);
+#endif
+  for (; i < end; ++i) {
+    const float x = load<G>(g, i);
+    float& lane = lanes[(i - begin) % kNormLanes];
+    lane = std::fma(x, x, lane);
+  }
+  double sum = 0.0;
+  for (const float lane : lanes) sum += lane;
+  return sum;
+}
+
+template <class F>
+int with_grad_type(int dtype, F&& f) {
+  switch (dtype) {
+    case cmq::kFloat32: return f(F32{});
+    case cmq::kBFloat16: return f(BF16{});
+    case cmq::kFloat16: return f(F16{});
+    default: return kBadArgument;
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -267,6 +309,38 @@ int cmo_cpu_sgd(void* const* params, void* const* grads, void* const* momentum_b
                          large);
     });
   });
+}
+
+// The L2 norm of each of `count` tensors of `dtype` (fp32, bf16 or fp16), in fp32, into
+// norms[i] (see [Note: one summation order]).
+int cmo_cpu_norms(void* const* tensors, const int64_t* numels, int count, int dtype,
+                  float* norms, int num_threads) {
+  if (count < 0 || num_threads < 1) return kBadArgument;
+  std::vector<int64_t> first_block;
+  std::vector<double> block_sums;
+  try {
+    first_block.resize(static_cast<size_t>(count) + 1);
+    first_block[0] = 0;
+    for (int i = 0; i < count; ++i)
+      first_block[i + 1] = first_block[i] + (std::max<int64_t>(numels[i], 0) + kBlock - 1) / kBlock;
+    block_sums.resize(static_cast<size_t>(first_block[count]));
+  } catch (const std::bad_alloc&) {
+    return kOutOfMemory;
+  }
+  const int status = with_grad_type(dtype, [&](auto type) {
+    using G = decltype(type);
+    return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
+      block_sums[first_block[i] + begin / kBlock] =
+          block_sum_of_squares<G>(static_cast<const typename G::Raw*>(tensors[i]), begin, end);
+    });
+  });
+  if (status != kOk) return status;
+  for (int i = 0; i < count; ++i) {
+    double sum = 0.0;
+    for (int64_t b = first_block[i]; b < first_block[i + 1]; ++b) sum += block_sums[b];
+    norms[i] = static_cast<float>(std::sqrt(sum));
+  }
+  return kOk;
 }
 
 }  // extern "C"
