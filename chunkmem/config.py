@@ -1,25 +1,24 @@
-"""The engine's typed configuration: defaults, strict validation, loading from a dict or JSON.
-(The compression section, which grew its own rules, is ``chunkmem.config_compression``.)
+"""The engine's typed configuration: every section, its defaults and the rules between keys.
 
-Every section is a frozen pydantic model with ``extra="forbid"``; validation errors are turned
-into one :class:`ConfigError` whose lines name the key path, the bad value and the reason, and
-for an unknown key the closest valid one.
+Every section is a frozen pydantic model with ``extra="forbid"``. The compression section, which
+grew its own rules, is ``chunkmem.config_compression``. Loading (from a dict, a JSON file or a
+DeepSpeed config) is ``chunkmem.config_loading``: it turns validation errors into one
+:class:`ConfigError` whose lines name the key path, the bad value and the reason, and for an
+unknown key the closest valid one.
 """
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from chunkmem.byte_sizes import parse_byte_size
 from chunkmem.config_compression import CompressionConfig, check_compression
-from chunkmem.config_errors import describe_validation_error
+from chunkmem.config_loading import coerce_config, config_from_dict, config_from_json
 from chunkmem.config_section import Section
-from chunkmem.errors import ConfigError
 
 ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=0)]
 
@@ -445,48 +444,16 @@ class Config(Section):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
-        if not isinstance(data, dict):
-            raise ConfigError(f"a config must be a dict (JSON object), got {type(data).__name__}")
-        if _is_deepspeed_config(data):
-            from chunkmem.deepspeed_config import from_deepspeed
-
-            return from_deepspeed(data)
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise ConfigError(describe_validation_error(exc, root=cls)) from None
+        return config_from_dict(cls, data)
 
     @classmethod
     def from_json(cls, path: str | Path) -> Config:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(f"config file {str(path)!r} does not exist") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"config file {str(path)!r} is not UTF-8 text ({exc.reason} at byte "
-                f"{exc.start}); save it as UTF-8 JSON"
-            ) from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config file {str(path)!r} is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        return config_from_json(cls, path)
 
     @classmethod
     def coerce(cls, config: Config | dict[str, Any] | str | Path | None) -> Config:
         """Accept what users pass to ``initialize``: a Config, a dict, a JSON path or None."""
-        if config is None:
-            return cls()
-        if isinstance(config, Config):
-            return config
-        if isinstance(config, dict):
-            return cls.from_dict(config)
-        if isinstance(config, (str, Path)):
-            return cls.from_json(config)
-        raise ConfigError(
-            f"config must be a chunkmem Config, a dict or a path to a JSON file, "
-            f"got {type(config).__name__}"
-        )
+        return coerce_config(cls, config)
 
 
 def _move_optimizer_states_key(data: Any) -> Any:
@@ -513,9 +480,3 @@ def _move_optimizer_states_key(data: Any) -> Any:
     offload["optimizer"] = value
     data["placement"], data["offload"] = placement, offload
     return data
-
-
-def _is_deepspeed_config(data: dict[str, Any]) -> bool:
-    from chunkmem.deepspeed_config import is_deepspeed_config
-
-    return is_deepspeed_config(data)

@@ -11,7 +11,7 @@ from pydantic import BaseModel
 
 from chunkmem.byte_sizes import parse_byte_size
 from chunkmem.config import Config
-from chunkmem.deepspeed_config import mapping_markdown
+from chunkmem.deepspeed_rules import mapping_markdown
 
 
 def type_name(annotation: object, metadata: list[object]) -> str:

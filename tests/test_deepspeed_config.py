@@ -13,7 +13,8 @@ import torch
 
 import chunkmem
 from chunkmem.config import Config, ZeroConfig
-from chunkmem.deepspeed_config import RULES, Status, from_deepspeed, is_deepspeed_config
+from chunkmem.deepspeed_config import from_deepspeed, is_deepspeed_config
+from chunkmem.deepspeed_rules import RULES, Status
 from chunkmem.errors import ConfigError
 from chunkmem.models.gpt import GPT, GPTConfig
 from tests.distributed_helpers import run_ranks

@@ -9,8 +9,9 @@ builds the engine in ``setup`` from the module and the one optimizer ``configure
 returns, runs every ``*_step`` through the engine, turns the closure's backward and the
 optimizer step into ``engine.backward`` and ``engine.step``, handles gradient accumulation and
 clipping itself, and saves and loads checkpoints as chunkmem's DCP directories with
-Lightning's own state (loops, callbacks, schedulers) as their client state. What cannot work
-is refused by name in ``setup`` (docs/integrations.md lists it).
+Lightning's own state (loops, callbacks, schedulers) as their client state
+(``chunkmem.integrations.lightning_checkpoints``). What cannot work is refused by name in
+``setup`` (docs/integrations.md lists it).
 
 [Note: the root the engine wraps] The engine wraps ``_StepRoot``, a module that shares the
 LightningModule's parameter, buffer and child dicts (so every name, in state dicts and
@@ -24,7 +25,6 @@ by ``batch_idx``.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,14 +49,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 import chunkmem
 from chunkmem.config import Config
 from chunkmem.engine import Engine
-from chunkmem.errors import CheckpointError, ConfigError
+from chunkmem.errors import ConfigError
 from chunkmem.integrations._shared import join_world_of_one, tell_schedules_the_engine_stepped
+from chunkmem.integrations.lightning_checkpoints import (
+    load_checkpoint_directory,
+    save_checkpoint_directory,
+)
 
 # Lightning's precision flags that mean "the engine's precision": chunkmem computes in one
 # dtype with fp32 masters, which is what DeepSpeed calls bf16/fp16 too.
 _PRECISIONS = {"32-true": None, "bf16-mixed": "bf16", "16-mixed": "fp16"}
-# Keys of Lightning's checkpoint dict that the DCP checkpoint holds itself.
-_IN_DCP = ("state_dict", "optimizer_states")
 
 
 class _StepRoot(torch.nn.Module):
@@ -401,47 +403,11 @@ class ChunkmemStrategy(ParallelStrategy):
         """Every rank: the engine's checkpoint directory at ``filepath``, with the rest of
         Lightning's checkpoint as its client state. A directory already there (``last.ckpt``)
         is replaced once the new one is complete."""
-        if self.engine is None:
-            raise CheckpointError(
-                "ChunkmemStrategy saves checkpoints while its engine is open, during fit; at "
-                "the end of fit it closed the engine and gave the module its parameters back. "
-                "Save from ModelCheckpoint or a callback during fit (or take the weights: "
-                "module.state_dict())"
-            )
-        if storage_options is not None:
-            raise TypeError(
-                "ChunkmemStrategy writes chunkmem checkpoints (DCP directories); "
-                "storage_options is for a CheckpointIO plugin, which it does not use"
-            )
-        target = Path(self.broadcast(str(filepath)))
-        client_state = {key: value for key, value in checkpoint.items() if key not in _IN_DCP}
-        if not self.broadcast(target.exists()):
-            self.engine.save_checkpoint(target, client_state=client_state)
-            return
-        staged = target.with_name(f"{target.name}.chunkmem-new")
-        retired = target.with_name(f"{target.name}.chunkmem-old")
-        if self.is_global_zero:  # what a save killed between the renames below left
-            shutil.rmtree(staged, ignore_errors=True)
-            shutil.rmtree(retired, ignore_errors=True)
-        self.barrier()
-        self.engine.save_checkpoint(staged, client_state=client_state)
-        if self.is_global_zero:
-            target.rename(retired)
-            staged.rename(target)
-            shutil.rmtree(retired)
-        self.barrier()
+        save_checkpoint_directory(self, checkpoint, filepath, storage_options)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         """Every rank: load the engine's checkpoint; its client state is Lightning's dict."""
-        assert self.engine is not None
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_file():
-            raise CheckpointError(
-                f"{path} is a file; ChunkmemStrategy resumes from the checkpoint directories "
-                f"it saves. To start from another run's weights, load them into the "
-                f"LightningModule before fit (LightningModule.load_from_checkpoint)"
-            )
-        return self.engine.load_checkpoint(path)
+        return load_checkpoint_directory(self, checkpoint_path)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Done by ``load_checkpoint``."""
