@@ -315,7 +315,8 @@ class Residency:
         return available is None or nbytes <= available + self.drains.nbytes
 
     def settle_drains(self) -> None:
-        """Wait for every copy off the device (the engine's close, a checkpoint)."""
+        """Wait for every copy off the device (the engine's close: nothing may still be copying
+        when the device and the host buffers are released)."""
         self.drains.settle()
 
     def make_room(
