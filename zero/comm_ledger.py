@@ -65,7 +65,7 @@ def collective_traffic(
     return Traffic(op, phase, sent * itemsize, tuple(cross))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CollectiveRecord:
     """One collective as this rank issued it, with the volume a ring algorithm sends per rank.
 
