@@ -36,7 +36,6 @@ for some dtypes and not others is a trap. Averaging is the caller's division aft
 from __future__ import annotations
 
 import contextlib
-import functools
 import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -52,6 +51,7 @@ from zero.comm_ledger import (
     CollectiveRecord,
     CommLedger,
     cross_node_elements,
+    dtype_name,
     elements_sent_per_rank,
 )
 from zero.identity import CollectiveIdentity, MismatchError
@@ -80,12 +80,6 @@ _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
 # How long a wait lasts once a collective of this communicator has failed: enough for work
 # that already completed to be collected, never a second timeout (see the first note).
 AFTER_FAILURE_S = 0.05
-
-
-@functools.cache
-def _dtype_name(dtype: torch.dtype | None) -> str:
-    """A record's dtype name, one string per dtype (records are kept by the ten thousand)."""
-    return "" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
@@ -499,7 +493,7 @@ class Communicator:
                 numel=numel,
                 elements_sent=elements_sent,
                 bytes_sent=elements_sent * itemsize,
-                dtype=_dtype_name(dtype),
+                dtype=dtype_name(dtype),
                 tag=self.tag,
                 cross_node_bytes=cross_node_elements(
                     op, group.ranks, group.ranks[group.rank], self.topology, elements_sent

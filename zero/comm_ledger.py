@@ -7,12 +7,15 @@ per operation, group, tag (the step) and phase, with its cross-node share (see `
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from chunkmem.costs import Traffic
     from zero.topology import Topology
 
@@ -54,6 +57,7 @@ def collective_traffic(
     """``op`` of ``numel`` elements as every rank issues it on its group (``group_of(rank)``,
     global ranks), recorded as the communicator records it: what each sends, and the
     cross-node share of each local rank (``chunkmem.costs``)."""
+
     from chunkmem.costs import Traffic
 
     cross = []
@@ -63,6 +67,12 @@ def collective_traffic(
         sent = elements_sent_per_rank(op, numel, len(ranks))
         cross.append(cross_node_elements(op, ranks, rank, topology, sent) * itemsize)
     return Traffic(op, phase, sent * itemsize, tuple(cross))
+
+
+@functools.cache
+def dtype_name(dtype: torch.dtype | None) -> str:
+    """A record's dtype name, one string per dtype (records are kept by the ten thousand)."""
+    return "" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True, slots=True)
