@@ -354,7 +354,7 @@ class Engine:
         self.grads.clear()
         self.gatherer.end_cycle()
         self.manager.reset_states()
-        self.residency.trace_nonmodel_peak()
+        self.residency.nonmodel.trace_peak()
         self.tracer.end_cycle()
         self.ledger.next_iteration()
         self.states.sharding.set_tag(self.ledger.iteration)
