@@ -10,13 +10,11 @@ engine can carry on with the next batch.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import logging
 import math
 import warnings
 import weakref
-from collections import Counter
 from collections.abc import Hashable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,14 +22,13 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from chunkmem.chunk import ChunkKind
+from chunkmem import engine_reports
 from chunkmem.config import Config
 from chunkmem.errors import CollectiveError, EngineUsageError, TierDataError
 from chunkmem.eval_cycles import EvalCycles
 from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
-from chunkmem.machine import gpu_memory, peak_rss_bytes
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer import ChunkAdam, clip_coefficient
 from chunkmem.optimizer_states import OptimizerStates
@@ -357,7 +354,7 @@ class Engine:
         self.grads.clear()
         self.gatherer.end_cycle()
         self.manager.reset_states()
-        self.residency.trace_nonmodel_peak()
+        self.residency.nonmodel.trace_peak()
         self.tracer.end_cycle()
         self.ledger.next_iteration()
         self.states.sharding.set_tag(self.ledger.iteration)
@@ -511,10 +508,7 @@ class Engine:
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of chunks by kind, over both tiers (padding included)."""
-        totals: dict[str, int] = {}
-        for chunk in self.residency.chunks.values():
-            totals[chunk.kind.value] = totals.get(chunk.kind.value, 0) + chunk.nbytes
-        return totals
+        return engine_reports.model_state_bytes(self)
 
     def num_parameters(self) -> int:
         """Elements of the model's parameters (tied ones once), packed or not yet."""
@@ -528,41 +522,7 @@ class Engine:
 
     def run_summary(self) -> RunSummary:
         """What a report needs to know about this run besides the ledger."""
-        homes = self.states.homes
-        speculation = self.optimizer.speculation
-        device = self.residency.device.torch_device
-        gpu = gpu_memory(device.index or 0) if device.type == "cuda" else None
-        return RunSummary(
-            device_kind=self.residency.device.kind,
-            precision=self.config.precision,
-            global_steps=self.global_steps,
-            loss_scale=self.loss_scale,
-            model_state_bytes=self.model_state_bytes(),
-            chunks=self.chunk_summary(),
-            padding_bytes=sum(
-                c.layout.padding * c.dtype.itemsize for c in self.residency.chunks.values()
-            ),
-            optimizer_state_homes=None
-            if homes is None
-            else dict(Counter(tier.name for tier in homes.values())),
-            repaired_grad_slots=list(self.grads.repaired_grad_slots),
-            cycles_recorded=self.tracer.cycles_recorded,
-            divergences=self.tracer.divergences,
-            config=self.config.model_dump(mode="json"),
-            skipped_steps=self.scaler.skipped_steps,
-            peak_rss_bytes=peak_rss_bytes(),
-            speculative_commits=speculation.commits if speculation else 0,
-            speculative_rollbacks=speculation.rollbacks if speculation else 0,
-            gpu=None if gpu is None else dataclasses.asdict(gpu),
-            compression=self._compression_summary(),
-        )
-
-    def _compression_summary(self) -> dict[str, Any] | None:
-        state = self.reducer.state
-        if state is None:
-            return None
-        described = state.describe()
-        return {key: described.get(key) for key in ("method", "steps", "auto")}
+        return engine_reports.run_summary(self)
 
     def close(self) -> None:
         """Give the model back: its parameters become ordinary tensors again, holding their
@@ -599,21 +559,5 @@ class Engine:
             slot.bound = False
 
     def chunk_summary(self) -> dict[str, Any]:
-        layouts = self.params.layouts
-        return {
-            "chunk_size_elements": self.chunk_choice.trainable.size,
-            "frozen_chunk_size_elements": self.chunk_choice.frozen.size,
-            "layouts": len(layouts),
-            "chunks_by_kind": {
-                kind.value: sum(1 for c in self.residency.chunks.values() if c.kind is kind)
-                for kind in ChunkKind.all()
-            },
-            "padding_elements": sum(layout.padding for layout in layouts),
-            "used_elements": sum(layout.used for layout in layouts),
-            "search": {
-                "padding_elements": self.chunk_choice.padding_elements,
-                "waste_fraction": self.chunk_choice.waste_fraction,
-                "oversized_tensors": self.chunk_choice.oversized_tensors,
-                "candidates_tried": self.chunk_choice.candidates_tried,
-            },
-        }
+        """The chunk layouts and the size search that chose them."""
+        return engine_reports.chunk_summary(self)

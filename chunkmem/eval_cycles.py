@@ -97,5 +97,5 @@ class EvalCycles:
             engine._abort(error)
             return
         engine.manager.reset_states()
-        engine.residency.trace_nonmodel_peak()
+        engine.residency.nonmodel.trace_peak()
         engine.tracer.end_cycle()

@@ -103,7 +103,7 @@ class GradStore:
         finally:
             del grad
             meter.remove(nbytes)
-            residency.account_nonmodel()
+            residency.nonmodel.account()
         self.reducer.stored(slot)
 
     def repair(self, slot: TensorSlot) -> None:

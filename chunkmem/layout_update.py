@@ -300,7 +300,7 @@ class UpdateBuilder:
         protect: set[int],
     ) -> list[torch.Tensor]:
         buffer = stack.enter_context(
-            self.residency.workspace(sum(sizes), dtype, work, protect, within="capacity")
+            self.residency.workspaces.scoped(sum(sizes), dtype, work, protect, within="capacity")
         )
         return list(torch.split(buffer, sizes))
 
@@ -342,7 +342,7 @@ class UpdateBuilder:
         """fp32 masters: cast gradients to fp32 a workspace at a time, update, write back."""
         total = sum(hi - lo for _slot, lo, hi in pieces)
         grad_source = self.grads.reducer.grad_source
-        with self.residency.workspace(
+        with self.residency.workspaces.scoped(
             min(total, WORKSPACE_ELEMENTS),
             torch.float32,
             home,

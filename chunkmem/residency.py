@@ -22,10 +22,12 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.devices import ComputeDevice
 from chunkmem.drains import Drains
 from chunkmem.errors import OutOfMemoryError
-from chunkmem.ledger import WORKSPACE, Ledger
+from chunkmem.ledger import Ledger
+from chunkmem.nonmodel import NonModelBytes
 from chunkmem.placement import Placement, plan_moment
 from chunkmem.tiers import StorageTier, TierSet
 from chunkmem.tracer import Moment, Tracer
+from chunkmem.workspaces import Workspaces
 
 RoomLimit = Literal["budget", "capacity"]
 
@@ -75,6 +77,8 @@ class Residency:
         self._tick = 0
         self._transient_pins: list[Chunk] = []
         self.drains = Drains(ledger, self.compute, device)
+        self.nonmodel = NonModelBytes(device, ledger, tracer)
+        self.workspaces = Workspaces(self)
 
     # ------------------------------------------------------------------ payloads
     def new_chunk(
@@ -108,12 +112,12 @@ class Residency:
             return
         what = f"a {chunk.kind.value} chunk"
         if tier.compute:
-            self.trace_nonmodel_peak()
+            self.nonmodel.trace_peak()
         self.ledger.allocate(tier.name, chunk.kind.value, chunk.nbytes, what, f"chunk {chunk.id}")
         payload = tier.allocate(chunk.numel, chunk.dtype)
         self._set_payload(chunk, payload.zero_() if zeroed else payload, tier)
         if tier.compute:
-            self._restart_nonmodel_peak()
+            self.nonmodel.restart_peak()
 
     def free_payload(self, chunk: Chunk) -> None:
         """Drop a chunk's payload: its content is dead (gradients after the step, a gathered
@@ -123,13 +127,13 @@ class Residency:
         self.ready(chunk)
         on_device = chunk.tier.compute
         if on_device:
-            self.trace_nonmodel_peak()
+            self.nonmodel.trace_peak()
             if self.listener is not None:
                 self.listener.chunk_leaving(chunk)
         self.ledger.free(chunk.tier.name, chunk.kind.value, chunk.nbytes, f"chunk {chunk.id}")
         self._set_payload(chunk, None, None)
         if on_device:
-            self._restart_nonmodel_peak()
+            self.nonmodel.restart_peak()
         self.tracer.on_free(chunk.id)
 
     def drop_chunk(self, chunk: Chunk) -> None:
@@ -234,7 +238,7 @@ class Residency:
             self.make_tier_room(dst, chunk.nbytes, protect={chunk.id})
         device_bytes_change = src.compute or dst.compute
         if device_bytes_change:
-            self.trace_nonmodel_peak()
+            self.nonmodel.trace_peak()
         owner = f"chunk {chunk.id}"
         self.ledger.allocate(
             dst.name, chunk.kind.value, chunk.nbytes, f"moving {chunk!r} to {dst.name}", owner
@@ -259,7 +263,7 @@ class Residency:
             self.ledger.free(src.name, chunk.kind.value, chunk.nbytes, owner)
         self._set_payload(chunk, payload, dst, free_old=not draining)
         if device_bytes_change:
-            self._restart_nonmodel_peak()
+            self.nonmodel.restart_peak()
         chunk.pending_event = event
         chunk.arriving = arriving
         self.ledger.record_move(
@@ -442,13 +446,13 @@ class Residency:
     def enter_moment(self, moment: Moment) -> None:
         """A module's pre-forward / pre-backward or a step: sample, then let go of pins."""
         self.release_transient_pins()
-        self.trace_nonmodel_peak()  # the peak of the moment that ends here
+        self.nonmodel.trace_peak()  # the peak of the moment that ends here
         self.drains.reap()
-        nonmodel = self.device.meter.current(self.accounted_device_bytes())
+        nonmodel = self.device.meter.current(self.nonmodel.accounted_device_bytes())
         index = self.tracer.on_moment(moment, nonmodel)
         self.ledger.set_nonmodel(nonmodel)
         self.ledger.sample_moment(index, moment.name)
-        self._restart_nonmodel_peak()
+        self.nonmodel.restart_peak()
 
     def after_access(self) -> None:
         """Once a moment's chunks are in: keep within the budget, then prefetch."""
@@ -493,63 +497,28 @@ class Residency:
             self.evict_for(0, budget, protect=set(), reason="evict")
 
     # ------------------------------------------------------------------ non-model bytes
-    def accounted_device_bytes(self) -> int:
-        """Device bytes the ledger holds (chunks and workspaces): the rest is non-model."""
-        return self.ledger.device.model_bytes + self.ledger.device.workspace_bytes
-
-    def trace_nonmodel_peak(self) -> None:
-        """Trace the highest non-model bytes since the last restart at the current moment.
-
-        [Note: non-model peaks between samples] The hooks sample non-model bytes at moments,
-        saved tensors and gradients. What lives only inside an operator (an output before it
-        is saved, the gradient of the logits, an attention workspace) falls between samples;
-        on CUDA the allocator's peak covers it, and a trace without it budgets too many chunks
-        at that moment. The peak is the allocator's minus the ledger's device bytes, so it is
-        read before and restarted after every change of those (a chunk allocated, freed or
-        moved, a workspace), when the allocator and the ledger agree, and at every moment.
-        The simulated device's default meter counts only what the hooks sample, so this adds
-        nothing there; with ``device.count_temporaries`` it counts operators' outputs too. The
-        ledger's device peak takes such a meter's peak as well: the peak the report gives is
-        the one the memory reached.
-        """
-        meter = self.device.meter
-        peak = meter.peak(self.accounted_device_bytes())
-        self.tracer.on_nonmodel(peak)
-        if meter.measures_between_samples:
-            self.ledger.note_nonmodel_peak(peak)
-
-    def _restart_nonmodel_peak(self) -> None:
-        self.device.meter.reset_peak(self.accounted_device_bytes())
-
-    def account_nonmodel(self) -> int:
-        """Record the device's current non-model bytes in the ledger and the trace."""
-        nonmodel = self.device.meter.current(self.accounted_device_bytes())
-        self.ledger.set_nonmodel(nonmodel)
-        self.tracer.on_nonmodel(nonmodel)
-        return nonmodel
-
     def on_nonmodel_growth(self) -> None:
         """Non-model bytes grew: evict chunks no moment uses until they fit beside the rest,
         then account them. Evicting first keeps the ledger's device peak within the capacity
         (the pressure valve: while a trace is recorded, activations not seen yet meet chunks
         the recording budget kept; see ``Placement.recording_budget``)."""
         self.drains.reap()
-        nonmodel = self.device.meter.current(self.accounted_device_bytes())
+        nonmodel = self.device.meter.current(self.nonmodel.accounted_device_bytes())
         capacity = self.ledger.device.capacity
-        if capacity is None or self.accounted_device_bytes() + nonmodel <= capacity:
-            self.account_nonmodel()
+        if capacity is None or self.nonmodel.accounted_device_bytes() + nonmodel <= capacity:
+            self.nonmodel.account()
             return
 
         def fits() -> bool:
-            return self.accounted_device_bytes() + nonmodel <= capacity
+            return self.nonmodel.accounted_device_bytes() + nonmodel <= capacity
 
         resident = [c.id for c in self._resident.values() if self.evictable(c)]
         for victim_id in self._rank()(resident):
             self.move(self.chunks[victim_id], self.tiers.spill, "pressure")
-            if self.accounted_device_bytes() - self.drains.nbytes + nonmodel <= capacity:
+            if self.nonmodel.accounted_device_bytes() - self.drains.nbytes + nonmodel <= capacity:
                 break
         self.drains.settle(until=fits)
-        self.account_nonmodel()
+        self.nonmodel.account()
         if fits():
             return
         device = self.compute.name
@@ -563,53 +532,3 @@ class Residency:
             f"lower the batch size or sequence length, use activation checkpointing, or a "
             f"smaller chunk.size.",
         )
-
-    # ------------------------------------------------------------------ workspaces
-    def allocate_workspace(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        tier: StorageTier,
-        protect: set[int],
-        within: RoomLimit = "budget",
-        kind: str = WORKSPACE,
-    ) -> torch.Tensor:
-        """A scratch buffer on ``tier``; ``within`` as for :meth:`make_room`; ``kind`` is what
-        the ledger and the report call its bytes."""
-        nbytes = numel * dtype.itemsize
-        if tier.compute:
-            self.make_room(nbytes, protect, "workspace", within)
-            self.trace_nonmodel_peak()
-        else:
-            self.make_tier_room(tier, nbytes, protect, within)
-        self.ledger.allocate(tier.name, kind, nbytes, f"a {kind}", kind)
-        buffer = tier.allocate(numel, dtype)
-        if tier.compute:
-            self._restart_nonmodel_peak()
-        return buffer
-
-    def free_workspace(
-        self, buffer: torch.Tensor, tier: StorageTier, kind: str = WORKSPACE
-    ) -> None:
-        """Until the caller drops ``buffer`` the allocator still holds it, so the peak is not
-        restarted here: until the next change it may read high by the workspace, never low."""
-        if tier.compute:
-            self.trace_nonmodel_peak()
-        self.ledger.free(tier.name, kind, buffer.numel() * buffer.element_size(), kind)
-        tier.free(buffer)
-
-    @contextlib.contextmanager
-    def workspace(
-        self,
-        numel: int,
-        dtype: torch.dtype,
-        tier: StorageTier,
-        protect: set[int],
-        within: RoomLimit = "budget",
-    ) -> Iterator[torch.Tensor]:
-        """A scratch buffer for the block, freed on any exit."""
-        buffer = self.allocate_workspace(numel, dtype, tier, protect, within)
-        try:
-            yield buffer
-        finally:
-            self.free_workspace(buffer, tier)

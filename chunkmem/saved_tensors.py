@@ -86,7 +86,7 @@ class ActivationCounter:
         if entry[0] == 0:
             del self._storages[storage_key]
             self._meter.remove(entry[1])
-            self._residency.account_nonmodel()  # never raises: it runs while graphs are freed
+            self._residency.nonmodel.account()  # never raises: it runs while graphs are freed
 
     @property
     def held_bytes(self) -> int:
@@ -98,7 +98,7 @@ class ActivationCounter:
         for entry in self._storages.values():
             self._meter.remove(entry[1])
         self._storages.clear()
-        self._residency.account_nonmodel()
+        self._residency.nonmodel.account()
         del tensors  # the graphs they closed cycles with go now
 
 

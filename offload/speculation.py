@@ -274,7 +274,7 @@ class Speculation:
             return None
         kept = {}
         for dtype, numel in needed.items():
-            kept[dtype] = self.residency.allocate_workspace(
+            kept[dtype] = self.residency.workspaces.allocate(
                 numel, dtype, spill, set(), within="capacity", kind=SPECULATION
             )
             self.held_bytes += kept[dtype].numel() * dtype.itemsize
@@ -285,7 +285,7 @@ class Speculation:
         spill = self.residency.tiers.spill
         for buffer in self._kept.pop(index, {}).values():
             self.held_bytes -= buffer.numel() * buffer.element_size()
-            self.residency.free_workspace(buffer, spill, kind=SPECULATION)
+            self.residency.workspaces.free(buffer, spill, kind=SPECULATION)
 
     def commit(self) -> None:
         """The assumption held (or nothing was speculated): the speculated updates stand."""

@@ -27,20 +27,22 @@ SHARDS = (1, 77, 256)
 
 
 class _HostWorkspaces:
-    """The two residency calls the wire-buffer pool makes, on the host, counted."""
+    """The residency the wire-buffer pool sees (its compute tier and workspaces), on the host,
+    counted."""
 
     class _Tier:
         compute = True
 
     def __init__(self) -> None:
         self.compute = self._Tier()
+        self.workspaces = self
         self.held = 0
 
-    def allocate_workspace(self, numel, dtype, tier, protect, within="budget"):
+    def allocate(self, numel, dtype, tier, protect, within="budget"):
         self.held += numel * dtype.itemsize
         return torch.empty(numel, dtype=dtype)
 
-    def free_workspace(self, buffer, tier):
+    def free(self, buffer, tier):
         self.held -= buffer.numel() * buffer.element_size()
 
 

@@ -138,7 +138,7 @@ class Reduction:
         self.shard.pin()
         try:
             if adds_to_shard:
-                self._late = residency.allocate_workspace(
+                self._late = residency.workspaces.allocate(
                     self.shard.numel, self.shard.dtype, residency.compute, set()
                 )
             target = self.shard.payload if self._late is None else self._late
@@ -172,7 +172,7 @@ class Reduction:
         self.shard.unpin()
         if self._late is not None:
             late, self._late = self._late, None
-            self._residency.free_workspace(late, self._residency.compute)
+            self._residency.workspaces.free(late, self._residency.compute)
 
 
 class ReduceScatterGrads(GradReducer):

@@ -132,10 +132,10 @@ class WireBuffers(BufferPool[torch.Tensor]):
     def __init__(self, residency: Residency, keep_idle: int = 4) -> None:
         self.residency = residency
         super().__init__(
-            lambda nbytes: residency.allocate_workspace(
+            lambda nbytes: residency.workspaces.allocate(
                 nbytes, torch.uint8, residency.compute, set()
             ),
-            lambda buffer: residency.free_workspace(buffer, residency.compute),
+            lambda buffer: residency.workspaces.free(buffer, residency.compute),
             torch.Tensor.numel,
             keep_idle,
         )

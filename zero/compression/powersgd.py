@@ -276,7 +276,7 @@ def new_q_buffer(residuals: Residuals, shape: list[int]) -> torch.Tensor:
     the engine: every byte the process holds is accounted)."""
     residency = residuals.residency
     numel = shape[0] * shape[1]
-    buffer = residency.allocate_workspace(
+    buffer = residency.workspaces.allocate(
         numel, torch.float32, residency.compute, set(), kind=Q_KIND
     )
     return buffer.view(shape)
