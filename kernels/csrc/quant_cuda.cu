@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 
+#include <type_traits>
+
 #include "quant_math.h"
 
 namespace {
@@ -258,33 +260,55 @@ __global__ void dequant_reduce_requant_kernel(InputPtrs in, int64_t numel, int64
   }
 }
 
-// Adds input k's levels of elements [e, e + kTile) of group g (all in the group, e + kTile <=
-// numel) to v, in input order like reduced_value.
+// Levels of kTile elements from e on (e + kTile within the group) of one input, as one word:
+// 8 bytes (int8) or 4 (int4, e even), read at once where aligned.
+template <int BITS>
+using TileWord = std::conditional_t<BITS == 8, uint64_t, uint32_t>;
+
+template <int BITS>
+__device__ TileWord<BITS> load_levels(const uint8_t* q, int64_t e) {
+  const uint8_t* src = q + byte_of<BITS>(e);
+  constexpr int kBytes = sizeof(TileWord<BITS>);
+  if (reinterpret_cast<uintptr_t>(src) % kBytes == 0) return *reinterpret_cast<const TileWord<BITS>*>(src);
+  TileWord<BITS> word = 0;
+  for (int b = 0; b < kBytes; ++b) word |= static_cast<TileWord<BITS>>(src[b]) << (8 * b);
+  return word;
+}
+
+// Adds one input's levels (its word, scale, offset) to v, in input order like reduced_value.
 template <class Fmt>
-__device__ void add_input_tile(const InputPtrs& in, int k, int64_t g, int64_t e, float (&v)[kTile]) {
-  const float scale = in.scales[k][g];
-  const float offset = Fmt::kSymmetric ? 0.0f : in.offsets[k][g];
-  const uint8_t* src = in.q[k] + byte_of<Fmt::kBits>(e);
-  uint32_t fields[kTile];
-  if constexpr (Fmt::kBits == 8) {
-    if (reinterpret_cast<uintptr_t>(src) % 8 == 0) {
-      const uint64_t word = *reinterpret_cast<const uint64_t*>(src);
-      for (int j = 0; j < kTile; ++j) fields[j] = static_cast<uint32_t>(word >> (8 * j)) & 0xFFu;
-    } else {
-      for (int j = 0; j < kTile; ++j) fields[j] = src[j];
-    }
-  } else {
-    uint32_t word;
-    if (reinterpret_cast<uintptr_t>(src) % 4 == 0) {
-      word = *reinterpret_cast<const uint32_t*>(src);
-    } else {
-      word = src[0] | (src[1] << 8) | (src[2] << 16) | (static_cast<uint32_t>(src[3]) << 24);
-    }
-    for (int j = 0; j < kTile; ++j) fields[j] = (word >> (4 * j)) & 0xFu;
-  }
+__device__ void add_levels(TileWord<Fmt::kBits> word, float scale, float offset, bool first,
+                           float (&v)[kTile]) {
+  constexpr int kFieldBits = Fmt::kBits;
+  constexpr uint32_t kMask = (1u << kFieldBits) - 1u;
   for (int j = 0; j < kTile; ++j) {
-    const float x = level_value<Fmt>(fields[j], scale, offset);
-    v[j] = k == 0 ? x : v[j] + x;
+    const uint32_t field = static_cast<uint32_t>(word >> (kFieldBits * j)) & kMask;
+    const float x = level_value<Fmt>(field, scale, offset);
+    v[j] = first ? x : v[j] + x;
+  }
+}
+
+// Inputs are read kLoadBatch at a time, all loads issued before any is used: a loop that loads
+// and adds one input at a time waits for memory once per input.
+constexpr int kLoadBatch = 4;
+
+template <class Fmt>
+__device__ void reduce_whole_tile(const InputPtrs& in, int64_t g, int64_t e, float (&v)[kTile]) {
+  for (int k0 = 0; k0 < in.count; k0 += kLoadBatch) {
+    TileWord<Fmt::kBits> words[kLoadBatch];
+    float scales[kLoadBatch], offsets[kLoadBatch];
+#pragma unroll
+    for (int b = 0; b < kLoadBatch; ++b) {
+      if (k0 + b >= in.count) break;
+      words[b] = load_levels<Fmt::kBits>(in.q[k0 + b], e);
+      scales[b] = in.scales[k0 + b][g];
+      offsets[b] = Fmt::kSymmetric ? 0.0f : in.offsets[k0 + b][g];
+    }
+#pragma unroll
+    for (int b = 0; b < kLoadBatch; ++b) {
+      if (k0 + b >= in.count) break;
+      add_levels<Fmt>(words[b], scales[b], offsets[b], k0 + b == 0, v);
+    }
   }
 }
 
@@ -293,7 +317,7 @@ __device__ void add_input_tile(const InputPtrs& in, int k, int64_t g, int64_t e,
 template <class Fmt>
 __device__ void reduce_tile(const InputPtrs& in, int64_t g, int64_t e, int64_t end, float (&v)[kTile]) {
   if (e + kTile <= end) {
-    for (int k = 0; k < in.count; ++k) add_input_tile<Fmt>(in, k, g, e, v);
+    reduce_whole_tile<Fmt>(in, g, e, v);
     return;
   }
   for (int j = 0; j < kTile; ++j) v[j] = e + j < end ? reduced_value<Fmt>(in, g, e + j) : 0.0f;
