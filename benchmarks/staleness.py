@@ -8,7 +8,8 @@ that module imports, directly or through another (``_common``, ``_timing``,
 its ``environment`` block and ``HEAD``, when it was measured with uncommitted changes
 (``commit_dirty``: the commit does not say which code ran), or when its commit is unknown
 here. Results files themselves, docs, tests and uncommitted edits in the work tree are not
-compared.
+compared. CUDA sources (``*.cu``, ``*.cuh``) count only for results measured on a CUDA device
+(``environment.cuda`` set): a run without one never builds or loads them.
 
 Cheap by design: git and the standard library only (no torch, no benchmark runs), so it can
 run in CI on every change. Exit status 1 when a result is stale, 0 when all are fresh.
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 LIBRARY = ("chunkmem", "zero", "offload", "kernels")
+# Code only a CUDA device builds and runs (kernels/_cuda.py loads it only when one is present).
+DEVICE_ONLY = (":(exclude,glob)**/*.cu", ":(exclude,glob)**/*.cuh")
 BENCHMARKS = "benchmarks"
 RESULTS = f"{BENCHMARKS}/results"
 
@@ -145,6 +148,8 @@ def check(root: Path, result: Path) -> Finding:
             else f"commit {commit} is not in this repository (history rewritten, or a shallow clone)"
         )  # fmt: skip
     else:
+        if not environment.get("cuda"):
+            paths = [*paths, *DEVICE_ONLY]
         changed = _git(root, "diff", "--name-only", full, "HEAD", "--", *paths).splitlines()
         if changed:
             last = _git(root, "log", "-1", "--format=%h %cs", "HEAD", "--", *paths)

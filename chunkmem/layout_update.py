@@ -66,7 +66,10 @@ def fp32_norms(tensors: list[torch.Tensor], host_threads: int | None) -> list[to
         and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors)
     ):
         return kernels.norms(tensors, host_threads)
-    return [n.cpu() for n in torch._foreach_norm(tensors, 2, dtype=torch.float32)]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    if norms and norms[0].device.type != "cpu":
+        return list(torch.stack(norms).cpu().unbind())  # one copy (and wait), not one a tensor
+    return list(norms)
 
 
 class LayoutUpdate:

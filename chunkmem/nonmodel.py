@@ -45,9 +45,13 @@ class NonModelBytes:
     def restart_peak(self) -> None:
         self.device.meter.reset_peak(self.accounted_device_bytes())
 
-    def account(self) -> int:
-        """Record the device's current non-model bytes in the ledger and the trace."""
-        nonmodel = self.device.meter.current(self.accounted_device_bytes())
+    def account(self, measured: int | None = None) -> int:
+        """Record the device's current non-model bytes in the ledger and the trace: ``measured``
+        when the caller has just read the meter and nothing changed since, else a new read."""
+        nonmodel = (
+            self.device.meter.current(self.accounted_device_bytes()) if measured is None
+            else measured
+        )  # fmt: skip
         self.ledger.set_nonmodel(nonmodel)
         self.tracer.on_nonmodel(nonmodel)
         return nonmodel

@@ -506,7 +506,7 @@ class Residency:
         nonmodel = self.device.meter.current(self.nonmodel.accounted_device_bytes())
         capacity = self.ledger.device.capacity
         if capacity is None or self.nonmodel.accounted_device_bytes() + nonmodel <= capacity:
-            self.nonmodel.account()
+            self.nonmodel.account(nonmodel)  # nothing moved since the read
             return
 
         def fits() -> bool:

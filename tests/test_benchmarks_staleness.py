@@ -32,8 +32,12 @@ def _commit(root: Path, files: dict[str, str], message: str = "change") -> str:
     return _git(root, "rev-parse", "HEAD")
 
 
-def _result(root: Path, name: str, commit: str | None, dirty: bool | None = False) -> Path:
-    environment = {"commit": commit, "commit_dirty": dirty, "date": "2026-11-26T00:00:00+00:00"}
+def _result(
+    root: Path, name: str, commit: str | None, dirty: bool | None = False, cuda: str | None = None
+) -> Path:
+    environment = {
+        "commit": commit, "commit_dirty": dirty, "date": "2026-11-26T00:00:00+00:00", "cuda": cuda,
+    }  # fmt: skip
     path = root / "benchmarks" / "results" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": 1.0, "environment": environment}))
@@ -110,6 +114,19 @@ def test_stale_when_measured_code_changed_since_its_commit(
     finding = check(root, _result(root, "fast.quick.json", first))
     assert finding.stale
     assert changed in finding.reasons[0]
+
+
+def test_cuda_sources_stale_only_results_measured_on_a_cuda_device(
+    repo: tuple[Path, str],
+) -> None:
+    root, first = repo
+    _commit(root, {"kernels/csrc/quant_cuda.cu": "// faster\n", "kernels/csrc/x.cuh": "//\n"})
+    assert not check(root, _result(root, "fast.json", first)).stale
+    on_gpu = check(root, _result(root, "fast.gpu.json", first, cuda="NVIDIA H200"))
+    assert on_gpu.stale
+    assert "kernels/csrc/quant_cuda.cu" in on_gpu.reasons[0]
+    _commit(root, {"kernels/csrc/quant_cpu.cpp": "// faster\n"})
+    assert check(root, _result(root, "fast.json", first)).stale
 
 
 def test_a_change_undone_since_is_not_stale(repo: tuple[Path, str]) -> None:

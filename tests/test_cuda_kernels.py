@@ -9,12 +9,15 @@ for bit, NaN positions included.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import kernels
 from kernels import reference
 from kernels._cuda import load_cuda
+from tests.kernels_helpers import assert_same_bits, assert_same_quantized, quantized_on
 from tests.test_kernels_spec import (
     DTYPES,
     FORMATS,
@@ -73,9 +76,10 @@ def test_cuda_matches_reference_on_nan_and_inf(fmt, dtype):
     _check_all_ops(x.to(dtype), *fmt, backend="cuda")
 
 
-@pytest.mark.parametrize("group_size", [1, 2, 7, 2048])
+@pytest.mark.parametrize("group_size", [1, 2, 7, 2048, 2050, 4096])
 def test_cuda_matches_reference_for_other_group_sizes(group_size):
-    """test_native_matches_reference_for_other_group_sizes."""
+    """test_native_matches_reference_for_other_group_sizes, and groups past the 2,048 elements
+    of a register tile (the kernels' element loops) or not a multiple of its 8 elements."""
     for bits in (4, 8) if group_size % 2 == 0 else (8,):
         for symmetric in (True, False):
             _check_all_ops(_random(5000, torch.float32, 3), bits, symmetric, group_size, "cuda")
@@ -127,3 +131,40 @@ def test_cuda_kernels_run_on_the_current_stream() -> None:
     torch.cuda.synchronize()
     assert torch.equal(q.data.cpu(), expected.data)
     assert torch.equal(out.cpu(), reference.dequantize(expected))
+
+
+def _shifted(t: torch.Tensor, by: int) -> torch.Tensor:
+    """t's values on the GPU, starting ``by`` elements into their storage (unaligned)."""
+    return torch.cat([torch.zeros(by, dtype=t.dtype), t]).to("cuda")[by:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("fmt", FORMATS, ids=_ids)
+def test_cuda_matches_reference_on_unaligned_storage(fmt, dtype):
+    """The register tiles read and write 16, 8 or 4 bytes at once only at aligned addresses:
+    inputs, levels and outputs that start a few elements into their storage take the element
+    path and give the reference's bits."""
+    bits, symmetric = fmt
+    kw = dict(bits=bits, group_size=G, symmetric=symmetric)
+    x = _random(3 * G + 24, dtype)
+    q = kernels.quantize(_shifted(x, 3), **kw, backend="cuda")
+    assert_same_quantized(q, reference.quantize(x, **kw), "quantize")
+    sw = dict(nodes=2, devices_per_node=2, **kw)
+    assert_same_quantized(
+        kernels.swizzled_quantize(_shifted(x, 5), **sw, backend="cuda"),
+        reference.swizzled_quantize(x, **sw),
+        "swizzled_quantize",
+    )
+    shifted = dataclasses.replace(q, data=_shifted(q.data.cpu(), 4 if bits == 8 else 2))
+    on_cpu = quantized_on(q, "cpu")
+    assert_same_quantized(
+        kernels.dequant_reduce_requant([shifted, q], backend="cuda"),
+        reference.dequant_reduce_requant([on_cpu, on_cpu]),
+        "dequant_reduce_requant",
+    )
+    out = torch.empty(x.numel() + 1, dtype=dtype, device="cuda")[1:]
+    assert_same_bits(
+        kernels.dequant_reduce([shifted, q], out_dtype=dtype, backend="cuda", out=out),
+        reference.dequant_reduce([on_cpu, on_cpu], out_dtype=dtype),
+        "dequant_reduce",
+    )

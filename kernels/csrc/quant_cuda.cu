@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 #include <stdio.h>
 
+#include <type_traits>
+
 #include "quant_math.h"
 
 namespace {
@@ -132,6 +134,95 @@ __global__ void quantize_kernel(const typename In::Raw* x, int64_t groups, int64
   }
 }
 
+// ---- register tiles: groups of up to kThreads * kTile elements are read once ----
+// Thread t of a group's block holds elements [t * kTile, t * kTile + kTile) in registers: read
+// with one 16-byte load (or two) when aligned and whole, written with one store; the group's
+// statistics and levels come from those registers, so the input is read once, not twice.
+// Per-element math and order are those of the loops above: the bits are the same.
+constexpr int kTile = 8;
+constexpr int64_t kTileGroup = static_cast<int64_t>(kThreads) * kTile;
+
+__device__ bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Elements [first, first + kTile) of a group (padding and absent elements read as 0).
+template <class In>
+__device__ void load_tile(const typename In::Raw* x, const GroupSpan& span, int64_t first,
+                          float (&v)[kTile]) {
+  const typename In::Raw* src = x + span.source + first;
+  if (first + kTile <= span.valid && aligned16(src)) {
+    if constexpr (sizeof(typename In::Raw) == 4) {
+      const float4 a = reinterpret_cast<const float4*>(src)[0];
+      const float4 b = reinterpret_cast<const float4*>(src)[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    } else {
+      const uint4 w = *reinterpret_cast<const uint4*>(src);
+      const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+      for (int j = 0; j < 4; ++j) {
+        v[2 * j] = In::load(static_cast<uint16_t>(words[j] & 0xFFFFu));
+        v[2 * j + 1] = In::load(static_cast<uint16_t>(words[j] >> 16));
+      }
+    }
+    return;
+  }
+  for (int j = 0; j < kTile; ++j) v[j] = span_value<In>(x, span, first + j);
+}
+
+__device__ GroupStats tile_stats(const float (&v)[kTile], int64_t first, int64_t length) {
+  GroupStats s = cmq::empty_stats();
+  for (int j = 0; j < kTile; ++j)
+    if (first + j < length) cmq::add_to_stats(s, v[j]);
+  return s;
+}
+
+// Writes the levels of a tile's elements that lie in the group; out is the group's first byte.
+template <class Fmt>
+__device__ void encode_tile(const GroupParams& p, const float (&v)[kTile], int64_t first,
+                            int64_t length, uint8_t* out) {
+  constexpr bool kSym = Fmt::kSymmetric;
+  uint8_t levels[kTile];
+  for (int j = 0; j < kTile; ++j)
+    levels[j] = p.finite ? cmq::encode_level<Fmt::kBits>(cmq::quantize_value<kSym>(v[j], p)) : 0;
+  if constexpr (Fmt::kBits == 8) {
+    uint8_t* dst = out + first;
+    if (first + kTile <= length && reinterpret_cast<uintptr_t>(dst) % 8 == 0) {
+      uint64_t word = 0;
+      for (int j = 0; j < kTile; ++j) word |= static_cast<uint64_t>(levels[j]) << (8 * j);
+      *reinterpret_cast<uint64_t*>(dst) = word;
+    } else {
+      for (int j = 0; j < kTile && first + j < length; ++j) dst[j] = levels[j];
+    }
+  } else {
+    uint8_t* dst = out + first / 2;
+    if (first + kTile <= length && reinterpret_cast<uintptr_t>(dst) % 4 == 0) {
+      uint32_t word = 0;
+      for (int j = 0; j < kTile / 2; ++j)
+        word |= static_cast<uint32_t>(levels[2 * j] | (levels[2 * j + 1] << 4)) << (8 * j);
+      *reinterpret_cast<uint32_t*>(dst) = word;
+    } else {
+      for (int j = 0; j < kTile / 2 && first + 2 * j < length; ++j) {
+        const uint8_t hi = first + 2 * j + 1 < length ? levels[2 * j + 1] : 0;
+        dst[j] = static_cast<uint8_t>(levels[2 * j] | (hi << 4));
+      }
+    }
+  }
+}
+
+template <class In, class Fmt, class Spans>
+__global__ void quantize_tile_kernel(const typename In::Raw* x, int64_t groups,
+                                     int64_t group_size, Spans spans, uint8_t* q, float* scales,
+                                     float* offsets) {
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * kTile;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const GroupSpan span = spans(g);
+    float v[kTile];
+    load_tile<In>(x, span, first, v);
+    const GroupParams p =
+        cmq::group_params<Fmt::kSymmetric>(block_stats(tile_stats(v, first, span.length)), Fmt::kBits);
+    store_params<Fmt>(p, g, scales, offsets);
+    encode_tile<Fmt>(p, v, first, span.length, q + byte_of<Fmt::kBits>(g * group_size));
+  }
+}
+
 // Sum over inputs of element e (in group g), added in input order in fp32.
 template <class Fmt>
 __device__ float reduced_value(const InputPtrs& in, int64_t g, int64_t e) {
@@ -169,6 +260,121 @@ __global__ void dequant_reduce_requant_kernel(InputPtrs in, int64_t numel, int64
   }
 }
 
+// Levels of kTile elements from e on (e + kTile within the group) of one input, as one word:
+// 8 bytes (int8) or 4 (int4, e even), read at once where aligned.
+template <int BITS>
+using TileWord = std::conditional_t<BITS == 8, uint64_t, uint32_t>;
+
+template <int BITS>
+__device__ TileWord<BITS> load_levels(const uint8_t* q, int64_t e) {
+  const uint8_t* src = q + byte_of<BITS>(e);
+  constexpr int kBytes = sizeof(TileWord<BITS>);
+  if (reinterpret_cast<uintptr_t>(src) % kBytes == 0) return *reinterpret_cast<const TileWord<BITS>*>(src);
+  TileWord<BITS> word = 0;
+  for (int b = 0; b < kBytes; ++b) word |= static_cast<TileWord<BITS>>(src[b]) << (8 * b);
+  return word;
+}
+
+// Adds one input's levels (its word, scale, offset) to v, in input order like reduced_value.
+template <class Fmt>
+__device__ void add_levels(TileWord<Fmt::kBits> word, float scale, float offset, bool first,
+                           float (&v)[kTile]) {
+  constexpr int kFieldBits = Fmt::kBits;
+  constexpr uint32_t kMask = (1u << kFieldBits) - 1u;
+  for (int j = 0; j < kTile; ++j) {
+    const uint32_t field = static_cast<uint32_t>(word >> (kFieldBits * j)) & kMask;
+    const float x = level_value<Fmt>(field, scale, offset);
+    v[j] = first ? x : v[j] + x;
+  }
+}
+
+// Inputs are read kLoadBatch at a time, all loads issued before any is used: a loop that loads
+// and adds one input at a time waits for memory once per input.
+constexpr int kLoadBatch = 4;
+
+template <class Fmt>
+__device__ void reduce_whole_tile(const InputPtrs& in, int64_t g, int64_t e, float (&v)[kTile]) {
+  for (int k0 = 0; k0 < in.count; k0 += kLoadBatch) {
+    TileWord<Fmt::kBits> words[kLoadBatch];
+    float scales[kLoadBatch], offsets[kLoadBatch];
+#pragma unroll
+    for (int b = 0; b < kLoadBatch; ++b) {
+      if (k0 + b >= in.count) break;
+      words[b] = load_levels<Fmt::kBits>(in.q[k0 + b], e);
+      scales[b] = in.scales[k0 + b][g];
+      offsets[b] = Fmt::kSymmetric ? 0.0f : in.offsets[k0 + b][g];
+    }
+#pragma unroll
+    for (int b = 0; b < kLoadBatch; ++b) {
+      if (k0 + b >= in.count) break;
+      add_levels<Fmt>(words[b], scales[b], offsets[b], k0 + b == 0, v);
+    }
+  }
+}
+
+// The reduced values of elements [e, e + kTile) of group g; elements at or past `end` (the
+// group's end) are computed one by one where they exist and read as 0 where they do not.
+template <class Fmt>
+__device__ void reduce_tile(const InputPtrs& in, int64_t g, int64_t e, int64_t end, float (&v)[kTile]) {
+  if (e + kTile <= end) {
+    reduce_whole_tile<Fmt>(in, g, e, v);
+    return;
+  }
+  for (int j = 0; j < kTile; ++j) v[j] = e + j < end ? reduced_value<Fmt>(in, g, e + j) : 0.0f;
+}
+
+template <class Out>
+__device__ void store_tile(const float (&v)[kTile], typename Out::Raw* dst) {
+  if constexpr (sizeof(typename Out::Raw) == 4) {
+    reinterpret_cast<float4*>(dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+  } else {
+    uint32_t words[4];
+    for (int j = 0; j < 4; ++j)
+      words[j] = static_cast<uint32_t>(Out::store(v[2 * j])) |
+                 (static_cast<uint32_t>(Out::store(v[2 * j + 1])) << 16);
+    *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+// Grid-stride over tiles of kTile elements; needs group_size % kTile == 0, so a tile lies in
+// one group. A tile whose output is unaligned or that ends past numel goes element by element.
+template <class Fmt, class Out>
+__global__ void dequant_reduce_tile_kernel(InputPtrs in, int64_t numel, int64_t group_size,
+                                           typename Out::Raw* out) {
+  const int64_t tiles = ceil_div(numel, kTile);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; t < tiles; t += stride) {
+    const int64_t e = t * kTile;
+    const int64_t g = e / group_size;
+    if (e + kTile <= numel && aligned16(out + e)) {
+      float v[kTile];
+      reduce_tile<Fmt>(in, g, e, numel, v);
+      store_tile<Out>(v, out + e);
+    } else {
+      for (int64_t i = e; i < e + kTile && i < numel; ++i)
+        out[i] = Out::store(reduced_value<Fmt>(in, g, i));
+    }
+  }
+}
+
+// dequant_reduce_requant_kernel with register tiles: each sum is computed once.
+template <class Fmt>
+__global__ void dequant_reduce_requant_tile_kernel(InputPtrs in, int64_t numel, int64_t group_size,
+                                                   uint8_t* q, float* scales, float* offsets) {
+  const int64_t groups = ceil_div(numel, group_size);
+  const int64_t first = static_cast<int64_t>(threadIdx.x) * kTile;
+  for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
+    const GroupSpan span = cmq::plain_group(g, numel, group_size);
+    float v[kTile];
+    reduce_tile<Fmt>(in, g, span.source + first, span.source + span.length, v);
+    const GroupParams p =
+        cmq::group_params<Fmt::kSymmetric>(block_stats(tile_stats(v, first, span.length)), Fmt::kBits);
+    store_params<Fmt>(p, g, scales, offsets);
+    encode_tile<Fmt>(p, v, first, span.length, q + byte_of<Fmt::kBits>(g * group_size));
+  }
+}
+
 template <class Spans>
 int launch_quantize(const char* what, const void* x, int dtype, int64_t groups, int64_t group_size,
                     int bits, int symmetric, Spans spans, uint8_t* q, float* scales,
@@ -177,8 +383,14 @@ int launch_quantize(const char* what, const void* x, int dtype, int64_t groups, 
   return cmq::with_dtype(dtype, [&](auto in) {
     using In = decltype(in);
     return cmq::with_format(bits, symmetric, [&](auto fmt) {
-      quantize_kernel<In, decltype(fmt)><<<blocks_for(groups), kThreads, 0, stream>>>(
-          static_cast<const typename In::Raw*>(x), groups, group_size, spans, q, scales, offsets);
+      using Fmt = decltype(fmt);
+      const auto* raw = static_cast<const typename In::Raw*>(x);
+      if (group_size <= kTileGroup)
+        quantize_tile_kernel<In, Fmt><<<blocks_for(groups), kThreads, 0, stream>>>(
+            raw, groups, group_size, spans, q, scales, offsets);
+      else
+        quantize_kernel<In, Fmt><<<blocks_for(groups), kThreads, 0, stream>>>(
+            raw, groups, group_size, spans, q, scales, offsets);
       return launched(what);
     });
   });
@@ -250,9 +462,15 @@ int cmq_cuda_dequant_reduce(const uint8_t* const* q, const float* const* scales,
   return cmq::with_dtype(out_dtype, [&](auto o) {
     using Out = decltype(o);
     return cmq::with_format(bits, symmetric, [&](auto fmt) {
-      dequant_reduce_kernel<decltype(fmt), Out>
-          <<<blocks_for(ceil_div(numel, kThreads)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-              in, numel, group_size, static_cast<typename Out::Raw*>(out));
+      using Fmt = decltype(fmt);
+      auto* raw = static_cast<typename Out::Raw*>(out);
+      const auto s = static_cast<cudaStream_t>(stream);
+      if (group_size % kTile == 0)
+        dequant_reduce_tile_kernel<Fmt, Out>
+            <<<blocks_for(ceil_div(numel, kTileGroup)), kThreads, 0, s>>>(in, numel, group_size, raw);
+      else
+        dequant_reduce_kernel<Fmt, Out>
+            <<<blocks_for(ceil_div(numel, kThreads)), kThreads, 0, s>>>(in, numel, group_size, raw);
       return launched("dequant_reduce");
     });
   });
@@ -267,9 +485,15 @@ int cmq_cuda_dequant_reduce_requant(const uint8_t* const* q, const float* const*
   const int status = gather_inputs(q, scales, offsets, count, &in);
   if (status != cmq::kOk || numel == 0) return status;
   return cmq::with_format(bits, symmetric, [&](auto fmt) {
-    dequant_reduce_requant_kernel<decltype(fmt)>
-        <<<blocks_for(ceil_div(numel, group_size)), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-            in, numel, group_size, q_out, scales_out, offsets_out);
+    using Fmt = decltype(fmt);
+    const int blocks = blocks_for(ceil_div(numel, group_size));
+    const auto s = static_cast<cudaStream_t>(stream);
+    if (group_size <= kTileGroup)
+      dequant_reduce_requant_tile_kernel<Fmt>
+          <<<blocks, kThreads, 0, s>>>(in, numel, group_size, q_out, scales_out, offsets_out);
+    else
+      dequant_reduce_requant_kernel<Fmt>
+          <<<blocks, kThreads, 0, s>>>(in, numel, group_size, q_out, scales_out, offsets_out);
     return launched("dequant_reduce_requant");
   });
 }
