@@ -21,9 +21,11 @@ $(STAMP): setup.cfg pyproject.toml
 
 # A short `chunkmem train` run (GPT 4x128 on Python's stdlib sources, a 5 MiB device for
 # 13 MiB of model states), then a second run resumed from its step-250 checkpoint that
-# retrains steps 251-300 and compares their losses with the first run's.
+# retrains steps 251-300 and compares their losses with the first run's. The resumed run's
+# directory is the demo's own output, removed first so that a second `make demo` can resume.
 demo: $(STAMP)
 	$(VENV)/bin/chunkmem train --out runs/demo --set train.checkpoint_every=250
+	rm -rf runs/demo-resumed
 	$(VENV)/bin/chunkmem train --out runs/demo-resumed --resume runs/demo/checkpoints/step_000250
 
 # One worker per core (pytest-xdist): the tests run one torch thread each. The end-to-end
