@@ -322,14 +322,15 @@ class Engine:
         scale = self.scaler.scale
         norm = self.optimizer.grad_norm() / scale
         self.last_grad_norm = norm
-        coefficient = clip_coefficient(norm, self.config.gradient_clipping)
+        max_norm = self.reducer.global_clipping(self.config.gradient_clipping)
+        coefficient = clip_coefficient(norm, max_norm)
         speculated = self.optimizer.speculating
         held = math.isfinite(norm) and coefficient == 1.0
         self.optimizer.settle_speculation(held)  # updates begun in backward stand or are undone
         if speculated:
             self.last_speculation = "commit" if held else "rollback"
         if math.isfinite(norm):
-            return False, scale / clip_coefficient(norm, self.config.gradient_clipping)
+            return False, scale / coefficient
         if self.config.precision == "fp16":
             return True, 1.0  # an overflow: the loss scaler backs off
         step = self.global_steps + 1

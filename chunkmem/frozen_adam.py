@@ -38,6 +38,7 @@ def frozen_variance_adam_(
     eps: float,
     decoupled: bool,
     steps_frozen: int,
+    momentum_in_gradients: float | None = None,
     amsgrad: bool = False,
     maximize: bool = False,
     grad_scale: torch.Tensor | None = None,
@@ -51,7 +52,11 @@ def frozen_variance_adam_(
     earlier frozen ones (a parameter's step count, not the compressor's, so a run resumed from
     a checkpoint without the compressor's count still corrects by its own last exact step). Gradients are divided
     by ``grad_scale`` (not in place) and widened to fp32; 16-bit states and ``params_out`` are
-    rounded to nearest-even when stored. ``num_threads`` is torch's (unused here)."""
+    rounded to nearest-even when stored. ``num_threads`` is torch's (unused here).
+
+    ``momentum_in_gradients`` (DGC's momentum correction): the gradients already are a momentum
+    of that decay, started when the variance froze, so they become the first moment as they
+    are, bias-corrected by ``1 - momentum ** steps_frozen`` instead of Adam's."""
     if amsgrad or maximize or max_exp_avg_sqs or found_inf is not None:
         raise ValueError(
             "the frozen-variance update supports neither amsgrad, maximize nor found_inf"
@@ -69,7 +74,10 @@ def frozen_variance_adam_(
                 f"compression.warmup_steps >= 1 exact steps after it starts training"
             )
         bias_correction2_sqrt = math.sqrt(1 - beta2**last_exact)
-        step_size = lr / (1 - beta1**step)
+        if momentum_in_gradients is None:
+            step_size = lr / (1 - beta1**step)
+        else:
+            step_size = lr / (1 - momentum_in_gradients**steps_frozen)
         out = None if params_out is None else params_out[index]
         for start in range(0, param.numel(), SLICE_ELEMENTS):
             part = slice(start, start + SLICE_ELEMENTS)
@@ -87,6 +95,7 @@ def frozen_variance_adam_(
                 decoupled,
                 step_size,
                 bias_correction2_sqrt,
+                momentum_in_gradients is not None,
             )
 
 
@@ -104,6 +113,7 @@ def _update_slice(
     decoupled: bool,
     step_size: float,
     bias_correction2_sqrt: float,
+    gradients_are_momentum: bool,
 ) -> None:
     """The step on aligned 1-D slices, in the order of torch's fused kernel."""
     grad = grad.float() if scale is None else grad.float() / scale
@@ -113,7 +123,10 @@ def _update_slice(
         else:
             grad = grad + weight_decay * param
     first = exp_avg if exp_avg.dtype == torch.float32 else exp_avg.float()
-    first.lerp_(grad, 1 - beta1)
+    if gradients_are_momentum:
+        first.copy_(grad)
+    else:
+        first.lerp_(grad, 1 - beta1)
     if first is not exp_avg:
         exp_avg.copy_(first)
     denom = exp_avg_sq.float().sqrt().div_(bias_correction2_sqrt).add_(eps)

@@ -424,7 +424,10 @@ class UpdateBuilder:
         if frozen is None:
             return None
         return functools.partial(
-            frozen_variance_adam_, decoupled=self.decoupled, steps_frozen=frozen
+            frozen_variance_adam_,
+            decoupled=self.decoupled,
+            steps_frozen=frozen,
+            momentum_in_gradients=variance.momentum_in_gradients,
         )
 
     def _hyper_parameters(self, group_index: int) -> dict[str, float]:

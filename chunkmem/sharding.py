@@ -206,11 +206,22 @@ class VarianceSchedule(Protocol):
     """When a reduction asks Adam to stop updating its second moment (1-bit Adam's second
     stage: compressed gradients would distort it)."""
 
+    momentum_in_gradients: float | None
+    """With DGC's momentum correction, the decay of the momentum the reduced gradients already
+    are (the frozen update takes them as its first moment); None otherwise."""
+
     def steps_frozen(self) -> int | None:
         """How many steps, this one included, the update has kept the second moment (each
         parameter's bias correction is that of its own last exact step), or None while it
         updates as usual."""
         ...
+
+
+class ClippingSchedule(Protocol):
+    """When a reduction has clipped each rank's gradients itself (DGC's local clipping), so
+    the engine must not clip the reduced ones again."""
+
+    def clips_locally(self) -> bool: ...
 
 
 class GradReducer:
@@ -219,18 +230,29 @@ class GradReducer:
     A world of one updates from the gradients where backward wrote them. A ``listener``
     (``offload.overlap``) hears when each layout's gradients are final; ``state`` is what the
     reduction keeps across steps, if anything; ``variance``, when the update must freeze Adam's
-    second moment.
+    second moment; ``clipping``, when the reduction clipped the gradients itself.
     """
 
     def __init__(
-        self, state: ReducerState | None = None, variance: VarianceSchedule | None = None
+        self,
+        state: ReducerState | None = None,
+        variance: VarianceSchedule | None = None,
+        clipping: ClippingSchedule | None = None,
     ) -> None:
         self.state = state
         self.variance = variance
+        self.clipping = clipping
         self.listener: GradientsListener | None = None
         self._final_micro_batch = True
         self._arrived = ExpectedGradients()
         self._announced: set[int] = set()
+
+    def global_clipping(self, max_norm: float) -> float:
+        """The norm the engine clips this step's reduced gradients to: ``max_norm``, or 0
+        (none) when the reduction clipped each rank's gradients before reducing them."""
+        if self.clipping is not None and self.clipping.clips_locally():
+            return 0.0
+        return max_norm
 
     def _announce_final(self, layout: ChunkLayout) -> None:
         if self.listener is not None and layout.index not in self._announced:

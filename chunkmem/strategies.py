@@ -22,7 +22,7 @@ def build_strategy(config: Config, comm: Communicator | None, device: torch.devi
         return Strategy()
     from zero.strategy import ZeroStrategy
 
-    return ZeroStrategy(config.zero, comm, device, config.compression)
+    return ZeroStrategy(config.zero, comm, device, config.compression, config.gradient_clipping)
 
 
 def strategy_costs(config: Config, world_size: int, node_size: int, itemsize: int) -> StrategyCosts:

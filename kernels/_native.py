@@ -60,6 +60,7 @@ _SIGNATURES = {
     "onebit_compress": [_ptr, _i64, _i64, _ptr, _ptr, _ptr],
     "ternary_compress": [_ptr, _i64, _i64, _i64, _ptr, _ptr],
     "decompress_sum": [_ptrs, _ptrs, _i32, _i64, _i64, _i32, _ptr, _i32],
+    "block_sq_norms": [_ptr, _i64, _i64, _ptr],
 }
 
 
@@ -281,6 +282,9 @@ class NativeKernels:
             _addr(codes),
             _addr(scales),
         )
+
+    def block_sq_norms(self, x: torch.Tensor, block: int, norms: torch.Tensor) -> None:
+        self._call("block_sq_norms", x.device, _addr(x), x.numel(), block, _addr(norms))
 
     def decompress_sum(
         self,

@@ -1,5 +1,5 @@
 """The gradient compressors' codes as ops: 1-bit sign and scale, TernGrad's stochastic ternary,
-and the fp32 sum of decoded inputs (zero/compression's wire format).
+the fp32 sum of decoded inputs, and DGC's block top-k (zero/compression's wire formats).
 
 The spec and ground truth is ``kernels.compression_reference``; the native CPU and CUDA
 libraries (kernels/csrc/pack_math.h) compute the same bits. Backend selection is the
@@ -133,4 +133,52 @@ def decompress_sum(
         values = [decode(c, s, block) for c, s in zip(codes, scales, strict=True)]
         return out.copy_(reference.decompress_sum(values, out.dtype))
     kernels.decompress_sum(codes, scales, block, code == "ternary", out)
+    return out
+
+
+def block_sq_norms(
+    x: torch.Tensor, *, block: int, out: torch.Tensor, backend: Backend | None = None
+) -> torch.Tensor:
+    """Each block's sum of squares into ``out`` (fp32, one per block): what DGC's top-k ranks
+    blocks by, bit for bit on every backend (so every backend keeps the same blocks)."""
+    _check_input(x, block)
+    _check_buffer("out", out, torch.float32, x.numel() // block, x.device)
+    kernels = _kernels_for(x.device, backend)
+    if kernels is None:
+        return out.copy_(reference.block_sq_norms(x, block))
+    kernels.block_sq_norms(x, block, out)
+    return out
+
+
+def top_blocks(norms: torch.Tensor, count: int) -> torch.Tensor:
+    """Per row of ``norms`` (slices x blocks), the indices of its ``count`` largest blocks in
+    ascending order (int64). Ties keep the lower index and a NaN ranks above everything, so
+    a non-finite gradient is sent (and the step sees it); a stable sort makes the choice the
+    same on every backend."""
+    if norms.dim() != 2 or not 1 <= count <= norms.shape[1]:
+        raise ValueError(
+            f"norms must be 2-D with at least {count} blocks per row, got {tuple(norms.shape)}"
+        )
+    ranked = torch.sort(norms, dim=1, descending=True, stable=True).indices[:, :count]
+    return torch.sort(ranked, dim=1).values
+
+
+def gather_blocks(x: torch.Tensor, index: torch.Tensor, block: int, out: torch.Tensor) -> None:
+    """``out[j, i]`` = block ``index[j, i]`` of row ``j`` of ``x`` (rows x blocks*block),
+    converted to ``out``'s dtype (rounded to nearest-even)."""
+    rows, count = index.shape
+    blocks = x.view(rows, -1, block)
+    out.view(rows, count, block).copy_(
+        blocks.gather(1, index.unsqueeze(2).expand(rows, count, block))
+    )
+
+
+def add_blocks(
+    values: torch.Tensor, index: torch.Tensor, block: int, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (fp32, blocks*block) plus each of ``values`` (count x block) at its block of
+    ``index`` (unique, count): one fp32 add per element, so a sum over senders in rank order
+    is the same on every backend."""
+    target = out.view(-1, block)
+    target.index_add_(0, index, values.view(-1, block).to(torch.float32))
     return out

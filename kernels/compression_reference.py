@@ -17,6 +17,10 @@ Ternary (TernGrad):
     block NaN, so the step sees it).
     uniform(seed, i) = (mix32((i mod 2^32) xor mix32(seed)) >> 8) * 2^-24, with mix32 the
     "lowbias32" integer hash: counter-based, so every backend draws the same numbers.
+Block squared norms (Deep Gradient Compression's coarse-grained top-k):
+    norm2 = pairwise_sum(x * x over the block), in the 1-bit scale's order (NaN if any element
+    is NaN, +inf past fp32's range); the top-k picks blocks by it, so every backend must pick
+    the same ones.
 Sums: acc = value(inputs[0]); acc = acc + value(inputs[k]) for k = 1, 2, ... in fp32, then
 rounded once to the output dtype.
 Codes are packed little-endian: element i is bit i % 8 of byte i // 8 (1-bit), or bits
@@ -56,6 +60,11 @@ def pairwise_block_sum(x: torch.Tensor, block: int) -> torch.Tensor:
         half = a.shape[1] // 2
         a = a[:, :half] + a[:, half:]
     return a[:, 0].contiguous()
+
+
+def block_sq_norms(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Per block of ``x`` (fp32), the pairwise sum of its squares."""
+    return pairwise_block_sum(x * x, block)
 
 
 def _pack(levels: torch.Tensor, bits: int) -> torch.Tensor:

@@ -19,9 +19,19 @@ from kernels import compression_reference as reference
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from tests.test_estimate import SMALL, measure, predict
 from tests.test_estimate import config as estimate_config
-from zero.kinds import EF_RESIDUAL
+from zero.kinds import DGC_VELOCITY, EF_RESIDUAL
 
 WORLD = 4
+# Deep Gradient Compression's recipe at the tests' scale (tests/test_dgc.py has the rest)
+DGC_PAPER = {
+    "type": "dgc",
+    "block_size": 32,
+    "density": 0.1,
+    "momentum_correction": True,
+    "freeze_variance": True,
+    "warmup_steps": 2,
+    "sparsity_warmup_steps": 2,
+}
 
 
 # ---------------------------------------------------------------- codes
@@ -165,24 +175,30 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Recording:
-    """Wraps a reduction: what each launch read (the gradient chunk, the residual before) and
-    what its wait left (the shard, the residual after)."""
+    """Wraps a reduction: what each launch read (the gradient chunk, the residual and DGC's
+    velocity before: zeros while none exists) and what its wait left (the shard, both states
+    after; a residual that does not exist is None)."""
 
     def __init__(self, inner: Any, log: list[dict]) -> None:
         self.inner = inner
         self.log = log
 
+    @staticmethod
+    def _state(layout, kind, missing):
+        chunk = layout.chunks.get(kind)
+        return missing if chunk is None else chunk.payload.clone()
+
     def launch(self, layout, full, shard):
-        residual = layout.chunks.get(EF_RESIDUAL)
+        zeros = torch.zeros(layout.capacity)
         entry = {
             "layout": layout.index,
+            "used": layout.used,
             "full": full.float().clone(),
-            "before": torch.zeros(layout.capacity)
-            if residual is None
-            else residual.payload.clone(),
+            "before": self._state(layout, EF_RESIDUAL, zeros),
+            "velocity": self._state(layout, DGC_VELOCITY, zeros),
         }
         work = self.inner.launch(layout, full, shard)
-        log = self.log
+        log, state = self.log, self._state
 
         class Waited:
             def is_completed(self) -> bool:
@@ -191,11 +207,8 @@ class Recording:
             def wait(self) -> None:
                 work.wait()
                 entry["shard"] = shard.float().clone()
-                entry["after"] = (
-                    layout.chunks[EF_RESIDUAL].payload.clone()
-                    if (EF_RESIDUAL in layout.chunks)
-                    else None
-                )
+                entry["after"] = state(layout, EF_RESIDUAL, None)
+                entry["velocity_after"] = state(layout, DGC_VELOCITY, zeros)
                 log.append(entry)
 
         return Waited()
@@ -357,8 +370,9 @@ def _stable(name: str) -> int:
         {"type": "terngrad"},
         {"type": "powersgd", "rank": 4},
         {"type": "onebit", "warmup_steps": 2},
+        DGC_PAPER,
     ],
-    ids=["onebit", "terngrad", "powersgd", "onebit-warmup"],
+    ids=["onebit", "terngrad", "powersgd", "onebit-warmup", "dgc"],
 )
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_training_with_compression_follows_exact_training(compression: dict, stage: int) -> None:
@@ -444,7 +458,6 @@ def test_compression_composes_with_offload_accumulation_and_hpz(
         ),
         ({"zero": {"stage": 2}, "compression": {"type": "topk"}}, "compression.type"),
         ({"zero": {"stage": 2}, "compression": {"type": "dga"}}, "whole optimizer state"),
-        ({"zero": {"stage": 2}, "compression": {"type": "dgc"}}, "not built yet"),
         (
             {"zero": {"stage": 2}, "compression": {"type": "onebit", "block_size": 96}},
             "power of two",
@@ -473,7 +486,6 @@ def test_compression_composes_with_offload_accumulation_and_hpz(
         "skip",
         "unknown",
         "dga",
-        "dgc",
         "block",
         "freeze-no-warmup",
         "freeze-none",
@@ -500,12 +512,18 @@ def _estimated_config(compression: dict) -> dict:
 
 @pytest.mark.parametrize(
     "compression",
-    [{"type": "onebit"}, {"type": "terngrad"}, {"type": "powersgd", "rank": 2}],
-    ids=["onebit", "terngrad", "powersgd"],
+    [
+        {"type": "onebit"},
+        {"type": "terngrad"},
+        {"type": "powersgd", "rank": 2},
+        {**DGC_PAPER, "density": 0.01, "warmup_steps": 1, "sparsity_warmup_steps": 0},
+    ],
+    ids=["onebit", "terngrad", "powersgd", "dgc"],
 )
 def test_the_estimate_is_the_ledger_with_compression(compression: dict) -> None:
     """On gloo ranks (tests/test_estimate.py says why): the third step's bytes sent to the byte,
-    the device peak within 0.5% (residuals, PowerSGD's Q and the wire buffers counted)."""
+    the device peak within 0.5% (residuals, DGC's velocity, PowerSGD's Q and the wire buffers
+    counted)."""
     results = run_ranks(_measured_rank, 2, compression, timeout_s=60, deadline_s=240)
     model = ModelSettings(**SMALL, checkpointing=True)
     predicted = predict(model, _estimated_config(compression), batch=4, world=2)

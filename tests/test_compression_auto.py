@@ -160,11 +160,11 @@ def test_auto_in_the_estimate_is_exact_traffic_and_the_largest_state() -> None:
     topology = Topology(4, 2)
     exact = ExactReduceScatterCosts(topology, 2, "reduce")
     auto = compression_package.compressed_reduction_costs(
-        CompressionConfig(type="auto", warmup_steps=3), topology, "reduce", exact
+        CompressionConfig(type="auto", warmup_steps=3), topology, "reduce", exact, 2
     )
     methods = [
         compression_package.compressed_reduction_costs(
-            CompressionConfig(type=method), topology, "reduce", exact
+            CompressionConfig(type=method), topology, "reduce", exact, 2
         )
         for method in ("onebit", "terngrad", "powersgd")
     ]

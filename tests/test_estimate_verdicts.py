@@ -138,7 +138,8 @@ MODELLED = {
     "zero.transport", "zero.node_size", "zero.quantized_weights",
     "zero.quantized_weights_block_size", "zero.hpz_partition_size", "zero.quantized_gradients",
     "zero.quantized_gradients_block_size", "compression.type", "compression.block_size", "compression.rank",
-    "compression.min_compression_rate", "offload.optimizer", "offload.optimizer_ratio",
+    "compression.min_compression_rate", "compression.density", "compression.sparsity_warmup_steps",
+    "compression.momentum_correction", "offload.optimizer", "offload.optimizer_ratio",
     "offload.state_dtype", "offload.overlap", "offload.speculation_bytes", "offload.nvme.path",
     "offload.nvme.block_size", "offload.nvme.io_threads",
 }  # fmt: skip
@@ -188,7 +189,8 @@ NOT_NEEDED = {
     "exact traffic and the largest candidate's memory, whatever it picks",
     "compression.freeze_variance": "which Adam update runs; the variance chunk is held either way",
     **dict.fromkeys(
-        ["compression.clip_sigma", "compression.seed"], "values sent, not their number of bytes"
+        ["compression.clip_sigma", "compression.seed", "compression.momentum"],
+        "values sent, not their number of bytes",
     ),
     "zero.timeout_s": "a deadline",
     "offload.optimizer_threads": "threads, not bytes",

@@ -11,6 +11,8 @@
 - ``EF_RESIDUAL``: a gradient compressor's error-feedback residual of a layout on this rank
   (``zero.compression``): what compression left out of its gradients so far, fp32, whole
   layout; kept across steps, placed like any dynamic chunk.
+- ``DGC_VELOCITY``: Deep Gradient Compression's local momentum of a layout on this rank (its
+  momentum correction), fp32, whole layout; kept and placed like ``EF_RESIDUAL``.
 """
 
 from __future__ import annotations
@@ -23,3 +25,4 @@ GATHERED = ChunkKind(
 GRAD_SHARD = ChunkKind("grad_shard", dynamic=True, gradient=True, written_before_read=True)
 HPZ_SECONDARY = ChunkKind("hpz_secondary", dynamic=True)
 EF_RESIDUAL = ChunkKind("ef_residual", dynamic=True)
+DGC_VELOCITY = ChunkKind("dgc_velocity", dynamic=True)

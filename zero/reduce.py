@@ -28,7 +28,14 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.costs import DeviceBytes, ReducerCosts, Traffic
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
-from chunkmem.sharding import GradReducer, ReducerState, Sharding, VarianceSchedule, Waitable
+from chunkmem.sharding import (
+    ClippingSchedule,
+    GradReducer,
+    ReducerState,
+    Sharding,
+    VarianceSchedule,
+    Waitable,
+)
 from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
@@ -188,8 +195,9 @@ class ReduceScatterGrads(GradReducer):
         overlap: bool,
         state: ReducerState | None = None,
         variance: VarianceSchedule | None = None,
+        clipping: ClippingSchedule | None = None,
     ) -> None:
-        super().__init__(state, variance)
+        super().__init__(state, variance, clipping)
         self.params = params
         self.residency = residency
         self.sharding = sharding

@@ -224,10 +224,12 @@ class ZeroStrategy(Strategy):
         comm: Communicator,
         device: torch.device,
         compression: CompressionConfig | None = None,
+        gradient_clipping: float = 0.0,
     ) -> None:
         super().__init__(ZeroSharding(config.stage, comm, device))
         self.config = config
         self.compression = compression or CompressionConfig()
+        self.gradient_clipping = gradient_clipping  # DGC clips locally
         self.comm = comm
         self.topology = Topology(comm.size, resolve_node_size(config.node_size, comm.size))
         comm.topology = self.topology
@@ -278,15 +280,16 @@ class ZeroStrategy(Strategy):
                 choice.gradient_block,
                 choice.reduce_phase,
             )
-        state = variance = None
+        state = variance = clipping = None
         if self.compression.type != "none":
-            reduction, state, variance = build_compressed_reduction(
+            reduction, state, variance, clipping = build_compressed_reduction(
                 self.compression,
                 self.comm,
                 self._wire_buffers(residency),
                 params,
                 choice.reduce_phase,
                 exact=reduction,
+                gradient_clipping=self.gradient_clipping,
             )
         return ReduceScatterGrads(
             params,
@@ -296,6 +299,7 @@ class ZeroStrategy(Strategy):
             overlap=choice.overlap,
             state=state,
             variance=variance,
+            clipping=clipping,
         )
 
     @staticmethod
@@ -333,7 +337,7 @@ class ZeroStrategy(Strategy):
             )
         if compression is not None and compression.type != "none":
             reduction = compressed_reduction_costs(
-                compression, topology, choice.reduce_phase, exact=reduction
+                compression, topology, choice.reduce_phase, exact=reduction, itemsize=itemsize
             )
         reducer: ReducerCosts = ReduceScatterGradsCosts(topology, reduction, pool, choice.overlap)
         sharding = ZeroShardingCosts(choice.stage, topology)

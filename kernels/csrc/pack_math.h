@@ -1,5 +1,5 @@
 // Per-element and per-block math of the gradient compressors' codes (1-bit sign and scale,
-// TernGrad's stochastic ternary), shared by the CPU library (quant_cpu.cpp) and the CUDA library
+// TernGrad's stochastic ternary, DGC's block squared norms), shared by the CPU library (quant_cpu.cpp) and the CUDA library
 // (quant_cuda.cu). The spec and ground truth is kernels/compression_reference.py; the same
 // bit-exactness rules as quant_math.h hold (no FMA contraction, denormals kept).
 #pragma once
@@ -38,6 +38,9 @@ CMQ_HD float uniform_of(uint32_t salt, int64_t index) {
 
 // |x| as torch computes it: the sign bit cleared (so |-0| is +0 and a NaN stays NaN).
 CMQ_HD float magnitude(float x) { return float_of(bits_of(x) & 0x7FFFFFFFu); }
+
+// x * x (a block's squared norm adds these; separate from the add: no FMA contraction).
+CMQ_HD float square(float x) { return x * x; }
 
 // The magnitude of the larger of two, NaN winning (|x| of the block's elements).
 CMQ_HD float nan_max(float m, float a) { return (a > m || a != a) ? a : m; }

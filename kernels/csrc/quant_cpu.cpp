@@ -379,10 +379,11 @@ int cmq_cpu_dequant_reduce_requant(const uint8_t* const* q, const float* const* 
 
 namespace {
 
-// The block's pairwise |x| sum in the spec's order (a[i] += a[i + h], h = block/2 .. 1).
-float pairwise_abs_sum(const float* x, int64_t block) {
+// The block's pairwise sum of term(x[i]) in the spec's order (a[i] += a[i + h], h = block/2 .. 1).
+template <class Term>
+float pairwise_sum(const float* x, int64_t block, Term term) {
   float a[cmq::kMaxCodeBlock];
-  for (int64_t i = 0; i < block; ++i) a[i] = cmq::magnitude(x[i]);
+  for (int64_t i = 0; i < block; ++i) a[i] = term(x[i]);
   for (int64_t h = block / 2; h >= 1; h /= 2)
     for (int64_t i = 0; i < h; ++i) a[i] = a[i] + a[i + h];
   return a[0];
@@ -421,7 +422,7 @@ int cmq_cpu_onebit_compress(const float* x, int64_t numel, int64_t block, uint8_
   if (!cmq::valid_code_layout(numel, block)) return cmq::kBadArgument;
   for_blocks(numel, block, [&](int64_t b) {
     const float* xb = x + b * block;
-    const float scale = pairwise_abs_sum(xb, block) / static_cast<float>(block);
+    const float scale = pairwise_sum(xb, block, cmq::magnitude) / static_cast<float>(block);
     scales[b] = scale;
     uint8_t* cb = codes + b * block / 8;
     for (int64_t j = 0; j < block / 8; ++j) {
@@ -456,6 +457,13 @@ int cmq_cpu_ternary_compress(const float* x, int64_t numel, int64_t block, int64
       codes[j] = static_cast<uint8_t>(byte);
     }
   });
+  return cmq::kOk;
+}
+
+// norms: numel/block, each block's pairwise sum of squares (DGC's block top-k).
+int cmq_cpu_block_sq_norms(const float* x, int64_t numel, int64_t block, float* norms) {
+  if (!cmq::valid_code_layout(numel, block)) return cmq::kBadArgument;
+  for_blocks(numel, block, [&](int64_t b) { norms[b] = pairwise_sum(x + b * block, block, cmq::square); });
   return cmq::kOk;
 }
 

@@ -501,25 +501,40 @@ int cmq_cuda_dequant_reduce_requant(const uint8_t* const* q, const float* const*
 }  // extern "C"
 
 // ---------------------------------------------------------------- gradient compression codes
-// The 1-bit and ternary codes of zero/compression (pack_math.h; the spec is
-// kernels/compression_reference.py): one CUDA block per code block (its pairwise sum or max in
+// The 1-bit and ternary codes and DGC's block norms of zero/compression (pack_math.h; the spec
+// is kernels/compression_reference.py): one CUDA block per code block (its pairwise sum or max in
 // shared memory, in the spec's order), grid-stride over elements for the decoded sums.
 
 #include "pack_math.h"
 
 namespace {
 
+// The block's pairwise sum of term(xb[i]) in the spec's order, left in sums[0] (sums: `block`
+// floats of shared memory; every thread of the CUDA block calls it).
+template <class Term>
+__device__ void pairwise_sum(const float* xb, int64_t block, float* sums, Term term) {
+  for (int64_t i = threadIdx.x; i < block; i += blockDim.x) sums[i] = term(xb[i]);
+  __syncthreads();
+  for (int64_t h = block / 2; h >= 1; h /= 2) {
+    for (int64_t i = threadIdx.x; i < h; i += blockDim.x) sums[i] = sums[i] + sums[i + h];
+    __syncthreads();
+  }
+}
+
+struct Magnitude {
+  __device__ float operator()(float x) const { return cmq::magnitude(x); }
+};
+
+struct Square {
+  __device__ float operator()(float x) const { return cmq::square(x); }
+};
+
 __global__ void onebit_compress_kernel(const float* x, int64_t blocks, int64_t block,
                                        uint8_t* codes, float* scales, float* residual) {
   extern __shared__ float sums[];
   for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
     const float* xb = x + b * block;
-    for (int64_t i = threadIdx.x; i < block; i += blockDim.x) sums[i] = cmq::magnitude(xb[i]);
-    __syncthreads();
-    for (int64_t h = block / 2; h >= 1; h /= 2) {
-      for (int64_t i = threadIdx.x; i < h; i += blockDim.x) sums[i] = sums[i] + sums[i + h];
-      __syncthreads();
-    }
+    pairwise_sum(xb, block, sums, Magnitude{});
     const float scale = sums[0] / static_cast<float>(block);
     if (threadIdx.x == 0) scales[b] = scale;
     for (int64_t j = threadIdx.x; j < block / 8; j += blockDim.x) {
@@ -532,6 +547,15 @@ __global__ void onebit_compress_kernel(const float* x, int64_t blocks, int64_t b
       for (int64_t i = threadIdx.x; i < block; i += blockDim.x)
         residual[b * block + i] = xb[i] - cmq::onebit_value(xb[i] < 0.0f, scale);
     __syncthreads();  // sums[0] is read by all before the next block refills it
+  }
+}
+
+__global__ void block_sq_norms_kernel(const float* x, int64_t blocks, int64_t block, float* norms) {
+  extern __shared__ float sums[];
+  for (int64_t b = blockIdx.x; b < blocks; b += gridDim.x) {
+    pairwise_sum(x + b * block, block, sums, Square{});
+    if (threadIdx.x == 0) norms[b] = sums[0];
+    __syncthreads();  // sums[0] is read before the next block refills it
   }
 }
 
@@ -597,6 +621,16 @@ int cmq_cuda_onebit_compress(const float* x, int64_t numel, int64_t block, uint8
                            static_cast<cudaStream_t>(stream)>>>(x, blocks, block, codes, scales,
                                                                 residual);
   return launched("onebit_compress");
+}
+
+int cmq_cuda_block_sq_norms(const float* x, int64_t numel, int64_t block, float* norms,
+                            void* stream) {
+  if (!cmq::valid_code_layout(numel, block)) return fail(cmq::kBadArgument, "block_sq_norms", "layout");
+  if (numel == 0) return cmq::kOk;
+  const int64_t blocks = numel / block;
+  block_sq_norms_kernel<<<blocks_for(blocks), kThreads, block * sizeof(float),
+                          static_cast<cudaStream_t>(stream)>>>(x, blocks, block, norms);
+  return launched("block_sq_norms");
 }
 
 int cmq_cuda_ternary_compress(const float* x, int64_t numel, int64_t block, int64_t seed,

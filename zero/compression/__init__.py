@@ -5,6 +5,8 @@ the exact reduce-scatter, at ZeRO stages 1-3, with nothing else in the engine ch
 - ``onebit``: sign and one scale per block with error feedback (``blockwise``);
 - ``terngrad``: stochastic ternary, unbiased, no residual (``blockwise``);
 - ``powersgd``: rank-r approximations with error feedback and warm starts (``powersgd``);
+- ``dgc``: Deep Gradient Compression, block top-k with accumulation, momentum correction,
+  local clipping and a sparsity warm-up (``topk``);
 - ``auto``: one of them, or none, picked after the warm-up by a judge that measures the link,
   the step and the codecs (``judge``).
 
@@ -12,7 +14,8 @@ the exact reduce-scatter, at ZeRO stages 1-3, with nothing else in the engine ch
 a resumed run's warm-up and TernGrad's draws continue where they were) and reduces exactly for
 the first ``compression.warmup_steps`` of them. With ``compression.freeze_variance``, a
 :class:`VarianceFreeze` on the same count tells the optimizer to keep Adam's second moment from
-then on (1-bit Adam's second stage).
+then on (1-bit Adam's second stage); with DGC's momentum correction it also takes the reduced
+momentum sums as its first moment.
 """
 
 from __future__ import annotations
@@ -47,6 +50,13 @@ from zero.compression.powersgd import (
 )
 from zero.compression.residuals import Residuals
 from zero.compression.state import CompressionState, StepCounter, VarianceFreeze
+from zero.compression.topk import (
+    LocalClipping,
+    TopKReduceScatter,
+    TopKReduceScatterCosts,
+    TopKSettings,
+)
+from zero.kinds import DGC_VELOCITY
 from zero.reduce import GradientReduction, GradientReductionCosts
 from zero.topology import Topology
 from zero.wire import WireBuffers
@@ -88,11 +98,13 @@ class Scheduled:
 
 class CompressedReduction(NamedTuple):
     """What :func:`build_compressed_reduction` builds: the reduction, the state it keeps across
-    steps (for checkpoints) and, with ``freeze_variance``, when Adam's variance freezes."""
+    steps (for checkpoints), with ``freeze_variance`` when Adam's variance freezes, and (DGC)
+    when the engine leaves clipping to the compressor."""
 
     reduction: GradientReduction
     state: CompressionState
     variance: VarianceFreeze | None
+    clipping: LocalClipping | None
 
 
 def build_compressed_reduction(
@@ -102,21 +114,35 @@ def build_compressed_reduction(
     params: ParamStore,
     phase: str,
     exact: GradientReduction,
+    gradient_clipping: float,
 ) -> CompressedReduction:
     """The reduction ``config`` asks for (exact during its warm-up), its state and its
     variance schedule. ``auto`` probes the link here, so every rank must build it at the same
-    point (``initialize`` does)."""
+    point (``initialize`` does). ``gradient_clipping`` is the engine's, which DGC applies
+    locally."""
     residuals = Residuals(wire.residency)
+    stores = [residuals]
     counter = StepCounter()
     warm_q: dict[str, torch.Tensor] = {}
     methods = AUTO_CANDIDATES if config.type == "auto" else (config.type,)
     compressed: dict[str, GradientReduction] = {}
+    clipping = None
     for method in methods:
         if method == "powersgd":
             powersgd = PowerSGDReduceScatter(
                 comm, wire, residuals, _powersgd_settings(config), phase
             )
             warm_q, compressed[method] = powersgd.warm_q, powersgd
+        elif method == "dgc":
+            settings = _topk_settings(config, gradient_clipping)
+            velocity = None
+            if settings.momentum is not None:
+                velocity = Residuals(wire.residency, DGC_VELOCITY)
+                stores.append(velocity)
+            compressed[method] = TopKReduceScatter(
+                comm, wire, residuals, velocity, settings, phase, counter, params
+            )
+            clipping = LocalClipping(counter, settings)
         else:
             code = _block_code(config, method)
             compressed[method] = BlockCodeReduceScatter(comm, wire, residuals, code, phase, counter)
@@ -137,10 +163,13 @@ def build_compressed_reduction(
         def compressed_from() -> int:
             return config.warmup_steps + 1
 
-    state = CompressionState(config.type, params, residuals, comm.rank, warm_q, counter, judge)
-    variance = VarianceFreeze(counter, compressed_from) if config.freeze_variance else None
+    state = CompressionState(config.type, params, stores, comm.rank, warm_q, counter, judge)
+    variance = None
+    if config.freeze_variance:
+        momentum = config.momentum if config.type == "dgc" and config.momentum_correction else None
+        variance = VarianceFreeze(counter, compressed_from, momentum)
     scheduled = Scheduled(comm, counter, config.warmup_steps, exact, after_warmup)
-    return CompressedReduction(scheduled, state, variance)
+    return CompressedReduction(scheduled, state, variance, clipping)
 
 
 def compressed_reduction_costs(
@@ -148,12 +177,16 @@ def compressed_reduction_costs(
     topology: Topology,
     phase: str,
     exact: GradientReductionCosts,
+    itemsize: int,
 ) -> GradientReductionCosts:
     """The cost model of the reduction :func:`build_compressed_reduction` builds, in its
     steady state (after the warm-up); ``auto``'s is :class:`AutoCosts` (``exact``'s traffic,
-    the largest candidate's memory)."""
+    the largest candidate's memory). ``itemsize``: the gradients' (DGC sends them as they are)."""
     if config.type == "auto":
         return AutoCosts(exact, [_costs(m, config, topology, phase) for m in AUTO_CANDIDATES])
+    if config.type == "dgc":
+        settings = _topk_settings(config, gradient_clipping=0.0)  # clipping moves no bytes
+        return TopKReduceScatterCosts(topology, settings, itemsize, phase)
     return _costs(config.type, config, topology, phase)
 
 
@@ -173,6 +206,17 @@ def _codec(method: str, config: CompressionConfig):
 
 def _powersgd_settings(config: CompressionConfig) -> PowerSGDSettings:
     return PowerSGDSettings(config.rank, config.min_compression_rate, config.seed)
+
+
+def _topk_settings(config: CompressionConfig, gradient_clipping: float) -> TopKSettings:
+    return TopKSettings(
+        config.block_size,
+        config.density,
+        config.sparsity_warmup_steps,
+        config.warmup_steps,
+        config.momentum if config.momentum_correction else None,
+        gradient_clipping,
+    )
 
 
 def _block_code(config: CompressionConfig, method: str) -> BlockCode:

@@ -30,8 +30,9 @@ import torch
 from chunkmem.chunk import Chunk, ChunkLayout
 from chunkmem.costs import Traffic
 from kernels import compression as codes_ops
-from zero.comm import Communicator, Handle
+from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
+from zero.compression.exchange import PooledExchange
 from zero.compression.residuals import Residuals
 from zero.compression.state import StepCounter
 from zero.kinds import EF_RESIDUAL
@@ -103,7 +104,7 @@ class BlockCodeReduceScatter:
         return zlib.crc32(key.encode())
 
 
-class _BlockWork:
+class _BlockWork(PooledExchange):
     """One reduction in flight: encoded and sent at launch; decoded and summed in ``wait``."""
 
     def __init__(
@@ -118,7 +119,8 @@ class _BlockWork:
         s = code.slice_numel(n)
         self._owner, self._shard, self._n, self._s = owner, shard, n, s
         sizes = buffer_parts(code, world, n)
-        self._buffer: torch.Tensor | None = owner.wire.take(sum(aligned(size) for size in sizes))
+        super().__init__(owner.wire, sum(aligned(size) for size in sizes))
+        assert self._buffer is not None
         residual: Chunk | None = None
         try:
             parts = carve(self._buffer, sizes)
@@ -163,7 +165,7 @@ class _BlockWork:
                     scales=self._sent[1],
                 )
             with owner.comm.serving(owner.phase):
-                self._handle: Handle = owner.comm.all_to_all(
+                self._handle = owner.comm.all_to_all(
                     [self._sent[0], self._sent[1].view(torch.uint8)],
                     [self._received[0], self._received[1].view(torch.uint8)],
                     async_op=True,
@@ -175,33 +177,19 @@ class _BlockWork:
             if residual is not None:
                 Residuals.release(residual)
 
-    def is_completed(self) -> bool:
-        return self._buffer is None or self._handle.is_completed()
-
-    def wait(self) -> None:
-        if self._buffer is None:
-            return
-        try:
-            self._handle.wait()
-            world = self._owner.comm.size
-            code = self._owner.code
-            codes_ops.decompress_sum(
-                self._received[0].view(world, -1).unbind(0),
-                self._received[1].view(world, -1).unbind(0),
-                code=code.code,
-                block=code.block,
-                out=self._result,
-            )
-            if self._result is not self._shard:
-                self._shard.copy_(self._result[: self._n])
-            self._shard[self._padding_from :].zero_()
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        buffer, self._buffer = self._buffer, None
-        if buffer is not None:
-            self._owner.wire.give(buffer)
+    def _finish(self) -> None:
+        world = self._owner.comm.size
+        code = self._owner.code
+        codes_ops.decompress_sum(
+            self._received[0].view(world, -1).unbind(0),
+            self._received[1].view(world, -1).unbind(0),
+            code=code.code,
+            block=code.block,
+            out=self._result,
+        )
+        if self._result is not self._shard:
+            self._shard.copy_(self._result[: self._n])
+        self._shard[self._padding_from :].zero_()
 
 
 def _clip(layout: ChunkLayout, flat: torch.Tensor, sigmas: float) -> None:

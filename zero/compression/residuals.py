@@ -1,5 +1,6 @@
 """Error feedback: each layout's residual, what compression left out of this rank's gradients
-so far, added to its next ones (1-bit SGD, PowerSGD).
+so far, added to its next ones (1-bit SGD, PowerSGD, DGC's accumulation). DGC's local
+momentum (``DGC_VELOCITY``) is kept the same way, one more per-rank store of another kind.
 
 A residual belongs to one rank: rank ``r``'s residual is the part of its own gradients that
 did not reach the sum, so it covers the whole layout (every rank's slice of it) and cannot be
@@ -13,23 +14,24 @@ from __future__ import annotations
 
 import torch
 
-from chunkmem.chunk import Chunk, ChunkLayout
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.residency import Residency
 from zero.kinds import EF_RESIDUAL
 
 
 class Residuals:
-    """The residual chunks of one compressor; a reduction holds one from :meth:`acquire` to
-    :meth:`release` (on the device, pinned)."""
+    """The per-rank fp32 chunks of ``kind`` (residuals by default) of one compressor; a
+    reduction holds one from :meth:`acquire` to :meth:`release` (on the device, pinned)."""
 
-    def __init__(self, residency: Residency) -> None:
+    def __init__(self, residency: Residency, kind: ChunkKind = EF_RESIDUAL) -> None:
         self.residency = residency
+        self.kind = kind
 
     def acquire(self, layout: ChunkLayout) -> Chunk:
-        chunk = layout.chunks.get(EF_RESIDUAL)
+        chunk = layout.chunks.get(self.kind)
         if chunk is None:
             chunk = self.residency.new_chunk(
-                layout, EF_RESIDUAL, torch.float32, self.residency.compute
+                layout, self.kind, torch.float32, self.residency.compute
             )
         self.residency.ensure_on_device([chunk])
         chunk.pin()
