@@ -2,12 +2,17 @@
 
 4 gloo ranks as 2 nodes x 2 (network namespaces joined by a veth pair, `tc` rate limits, as
 `benchmarks.zeropp` builds them) train the demo GPT (`chunkmem train`'s model: 4 x 128, seq 64,
-8 sequences per rank) on the standard library's text at ZeRO-2, bf16, clipping 1.0, once per
+8 sequences per rank) on the standard library's text at ZeRO-2, bf16 (fp32 where this CPU
+emulates bf16: a calibration step decides and the JSON says why), clipping 1.0, once per
 method at its paper's recommended settings, and `compression: auto`, at 1 Gbit/s and 10 Gbit/s:
 `none`; `onebit` as 1-bit Adam (exact warm-up for 20% of the steps, DeepSpeed's 15-25%, then the
 variance frozen); `terngrad` (clipping at 2.5 sigma); `powersgd` at rank 4 with a 10% exact
-warm-up (torch's `start_powerSGD_iter`); `auto` with the 20% warm-up (its judge times it). At
-1 Gbit/s the ablation `onebit-ef-only` (no warm-up, no frozen variance) runs too. At
+warm-up (torch's `start_powerSGD_iter`); `dgc` as Deep Gradient Compression's recipe (99.9%
+sparsity in blocks of 32, momentum correction and factor masking, local clipping, the density
+falling from 25% over 20% of the steps), on Adam after the same 20% exact warm-up with the
+variance frozen; `auto` with the 20% warm-up (its judge times it). At
+1 Gbit/s the ablation `onebit-ef-only` (no warm-up, no frozen variance) runs too (not in
+`--quick`). At
 1 Gbit/s torch DDP with `powerSGD_hook` (rank 4, fp32 parameters under bf16 autocast, clipping
 1.0, AdamW) trains the same model on the same batches, and ZeRO-3 and host offload run once per
 method (reported, not judged).
@@ -34,19 +39,31 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import RESULTS, median, parse_args, print_table
-from benchmarks.zeropp import PER_NODE, WORLD, Cluster, Run, Skipped, _text_batches, launch
+from benchmarks._timing import paired_ratios
+from benchmarks.zeropp import (
+    PER_NODE,
+    WORLD,
+    Cluster,
+    Run,
+    Skipped,
+    _text_batches,
+    engine_step_seconds,
+    launch,
+)
 
-METHODS = ("none", "onebit", "terngrad", "powersgd")
+METHODS = ("none", "onebit", "terngrad", "powersgd", "dgc")
 AUTO = "auto"
 ABLATION = "onebit-ef-only"
-WARMUP_FRACTION = {"onebit": 0.2, "powersgd": 0.1, AUTO: 0.2}
+WARMUP_FRACTION = {"onebit": 0.2, "powersgd": 0.1, "dgc": 0.2, AUTO: 0.2}
+DGC_SPARSITY_WARMUP_FRACTION = 0.2  # of the steps, after the exact warm-up
 RATES = ("1gbit", "10gbit")
 TORCH_HOOK = "ddp_powersgd_hook"
 MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_embd": 128, "n_head": 2}
 FULL = {"steps": 200, "extra_fraction": 0.5, "local_batch": 8, "seq": 64, "lr": 1e-3,
         "rates": ["1gbit", "10gbit"], "extras": True, "window": 10}  # fmt: skip
-QUICK = {"steps": 12, "extra_fraction": 0.5, "local_batch": 8, "seq": 64, "lr": 1e-3,
+QUICK = {"steps": 6, "extra_fraction": 0.5, "local_batch": 8, "seq": 64, "lr": 1e-3,
          "rates": ["1gbit"], "extras": False, "window": 3}  # fmt: skip
+BF16_AT_SPEED_MAX_RATIO = 2.0  # as benchmarks.zeropp's convergence
 FIRST_REPORT_S = 300.0  # a rank imports torch and builds its engine before its first step
 
 
@@ -114,7 +131,7 @@ def _engine_trainer(spec: dict, run: dict):
     import chunkmem
 
     config: dict[str, Any] = {
-        "precision": "bf16",
+        "precision": spec["precision"],
         "device": {"type": "simulated", "capacity": "8GiB"},
         "optimizer": {"lr": spec["lr"], "weight_decay": 0.1},
         "gradient_clipping": 1.0,
@@ -137,7 +154,7 @@ def _engine_trainer(spec: dict, run: dict):
 
 def _ddp_trainer(spec: dict):
     """torch DDP with the PowerSGD communication hook, the recipe's counterpart: fp32
-    parameters, bf16 autocast, clipping 1.0, AdamW."""
+    parameters, bf16 autocast (when the run trains in bf16), clipping 1.0, AdamW."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
@@ -155,7 +172,7 @@ def _ddp_trainer(spec: dict):
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1)
 
     def step(x, y, index: int) -> tuple[float, int]:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["precision"] == "bf16"):
             loss = model(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -172,8 +189,15 @@ def compression_for(method: str, steps: int) -> dict[str, Any]:
     config: dict[str, Any] = {"type": method}
     if method in WARMUP_FRACTION:
         config["warmup_steps"] = max(3, round(WARMUP_FRACTION[method] * steps))
-    if method in ("onebit", AUTO):
+    if method in ("onebit", "dgc", AUTO):
         config["freeze_variance"] = True
+    if method == "dgc":
+        config.update(
+            density=0.001,
+            block_size=32,
+            momentum_correction=True,
+            sparsity_warmup_steps=max(1, round(DGC_SPARSITY_WARMUP_FRACTION * steps)),
+        )
     return config
 
 
@@ -188,10 +212,10 @@ def _runs(setup: dict, rate: str) -> list[dict[str, Any]]:
     runs = [run("none", "none", steps)]
     runs += [run(m, m, longer) for m in (*METHODS[1:], AUTO)]
     if rate == "1gbit":
-        runs.append({"name": ABLATION, "compression": {"type": "onebit"}, "stage": 2,
-                     "steps": longer})  # fmt: skip
         runs.append({"name": TORCH_HOOK, "steps": longer})
         if setup["extras"]:
+            runs.append({"name": ABLATION, "compression": {"type": "onebit"}, "stage": 2,
+                         "steps": longer})  # fmt: skip
             for m in METHODS:
                 runs.append(run(f"{m}-zero3", m, steps, stage=3))
                 runs.append(run(f"{m}-offload", m, steps, offload=True))
@@ -327,6 +351,27 @@ def _print_table(details: dict[str, Any]) -> None:
         )
 
 
+def calibrate(setup: dict) -> dict[str, Any]:
+    """The precision the runs train in, chosen by a measured step: bf16 (the recipe) where this
+    CPU computes it at speed, fp32 where a bf16 step takes more than ``BF16_AT_SPEED_MAX_RATIO``
+    times an fp32 one (bf16 emulated: no AVX-512 BF16 or AMX). There every step would be that
+    much longer, the link a smaller share of it, and the comparison would measure the CPU."""
+    model = {**MODEL, "block_size": setup["seq"]}
+    times = engine_step_seconds(model, ["fp32", "bf16"], setup["local_batch"], setup["seq"])
+    ratio = median(paired_ratios(times["bf16"]["step_s_samples"], times["fp32"]["step_s_samples"]))
+    at_speed = ratio <= BF16_AT_SPEED_MAX_RATIO
+    return {
+        "step_s": {p: times[p]["step_s"] for p in times},
+        "bf16_over_fp32": ratio,
+        "precision": "bf16" if at_speed else "fp32",
+        "why_precision": None
+        if at_speed
+        else f"a bf16 step took {ratio:.1f}x an fp32 step here (at speed: at most "
+        f"{BF16_AT_SPEED_MAX_RATIO:g}x): bf16 arithmetic is emulated on this CPU, so the runs "
+        f"train in fp32",
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
@@ -349,13 +394,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rates": {},
     }
     run = Run(args.json, args.quick, details, summarize=metrics)
+    with run.phase("calibration"):
+        details["calibration"] = calibrate(setup)
+    precision = details["calibration"]["precision"]
     why = Cluster.unavailable()
     for rate in setup["rates"]:
         with run.phase(f"emulated_{rate}"):
             if why:
                 raise Skipped(why)
             spec = {"runs": _runs(setup, rate), "local_batch": setup["local_batch"],
-                    "seq": setup["seq"], "lr": setup["lr"],
+                    "seq": setup["seq"], "lr": setup["lr"], "precision": precision,
                     "powersgd_warmup": compression_for("powersgd", setup["steps"])
                     ["warmup_steps"]}  # fmt: skip
             with Cluster() as cluster:
