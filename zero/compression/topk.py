@@ -5,10 +5,13 @@ One implementation of :class:`zero.reduce.GradientReduction`. For ``W`` ranks an
 whose shard is ``n`` elements, each compressed step on each rank:
 
 1. **Local clipping.** This rank's gradient ``g`` of the layout is scaled to an L2 norm of at
-   most ``gradient_clipping * sqrt(used / total) / sqrt(W)``: the paper's ``N^(-1/2)`` share of
-   the global threshold, split over layouts by their share of the trainable elements (the
-   squares of the thresholds add up to the paper's). The engine then does not clip the
-   reduced sums again (:class:`LocalClipping`).
+   most ``gradient_clipping * sqrt(W) * sqrt(used / total)``, split over layouts by their share
+   of the trainable elements (the squares of the thresholds add up to the whole one). The
+   paper clips each node at ``N^(-1/2)`` of a threshold on the *summed* gradient: ``N``
+   independent gradients of norm ``a`` sum to a norm of about ``a sqrt(N)``. The engine clips
+   the *mean* (norm about ``a / sqrt(N)``), so the same reasoning puts each rank at
+   ``sqrt(N)`` times it ([Note: the local threshold]). The engine then does not clip
+   the reduced sums again (:class:`LocalClipping`).
 2. **Momentum correction.** With it, the velocity ``u = m u + (1 - m) g`` (a ``DGC_VELOCITY``
    chunk) is what accumulates: ``v += u``; without it ``v += g``. ``v`` is the residual chunk.
 3. **Coarse-grained top-k.** Slice ``j`` of ``v`` (rank ``j``'s ``n`` elements, zero-padded to
@@ -163,7 +166,8 @@ class TopKReduceScatter:
             return 1.0
         if self._trainable_used is None:
             self._trainable_used = sum(lay.used for lay in self.params.trainable_layouts())
-        share = math.sqrt(layout.used / self._trainable_used / self.comm.size)
+        # [Note: the local threshold] the mean's threshold times sqrt(W), the layout's share
+        share = math.sqrt(layout.used / self._trainable_used * self.comm.size)
         norm = float(torch.linalg.vector_norm(full, dtype=torch.float32))
         return min(1.0, clipping * share / (norm + 1e-6))
 
