@@ -3,8 +3,7 @@ emulated cluster in a stated regime, and convergence.
 
 0. **Calibration.** One process, one thread, this run: how long a rank takes to start, to build
    its engine and to train one step of each model and precision the launches run. Every
-   deadline derives from these and from the steps the ranks report, none from constants; the
-   bf16 convergence run is shortened where bf16 trains much slower than fp32 (emulated bf16).
+   deadline derives from these and from the steps the ranks report, none from constants.
 1. **Bytes and compute-only step time.** The same GPT trains with plain stage 3, each technique
    alone (qwZ, hpZ, qgZ) and all three, in one launch of 4 ranks on this machine's loopback.
    Cross-node bytes per step come from the communication ledger, all ranks together.
@@ -19,7 +18,11 @@ emulated cluster in a stated regime, and convergence.
    ``ip`` or ``tc`` it says so.
 3. **Convergence.** A GPT on Python's own standard library text, 300 steps in fp32 and bf16,
    plain stage 3 against full ZeRO++ and a control: final loss (mean of the last 20 steps,
-   over ranks) and the largest loss after step 50 relative to the running minimum.
+   over ranks) and the largest loss after step 50 relative to the running minimum. Where the
+   calibration finds bf16 more than 2x slower than fp32 (emulated: no AVX-512 BF16 or AMX, a
+   bf16 step there takes ~10x an fp32 one), bf16 runs the whole tens of steps that fit the
+   benchmark's 23-minute budget, predicted from the fp32 phase's measured step and the
+   calibrated bf16 compute; ``details.convergence.bf16`` states the steps and why.
 
 Each phase writes the results file as it completes, so a later failure keeps what was
 measured; a phase that fails or cannot run says why (``details.phases``) and the exit status
@@ -71,7 +74,8 @@ FULL = {
     "link_over_compute": 2.0, "regime_configs": list(CONFIGS),
     "rates": ["1gbit", "10gbit"], "rate_configs": ["zero3", "zeropp"],
     "converge": {"steps": 300, "precisions": ["fp32", "bf16"], "local_batch": 8, "seq": 64,
-                 "lr": 1e-3, "bf16_at_speed_max_ratio": 2.0, "bf16_short_steps": 100,
+                 "lr": 1e-3, "bf16_at_speed_max_ratio": 2.0, "bf16_min_steps": 40,
+                 "benchmark_budget_s": 1380,
                  "model": {"vocab_size": 256, "block_size": 64, "n_layer": 2, "n_embd": 128,
                            "n_head": 2}},
 }  # fmt: skip
@@ -89,6 +93,7 @@ SLACK = 4.0
 # Plain stage 3 from initial weights changed by about 1e-6 relative: how far two runs that
 # differ by far less than any quantization drift apart (the convergence benchmark's control).
 CONTROL = "zero3_nudged"
+CONVERGENCE_CONFIGS = ("zero3", "zeropp", CONTROL)
 OPS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 
 
@@ -298,17 +303,34 @@ def first_report_seconds(startup_s: float, build_s: float, step_s: float, link_s
 
 
 def bf16_steps(
-    bf16_over_fp32: float, steps: int, short_steps: int, max_ratio: float
+    bf16_over_fp32: float, steps: int, max_ratio: float, affordable_steps: int, min_steps: int
 ) -> tuple[int, str | None]:
     """How many steps bf16 convergence runs, and why it was shortened (None: not shortened).
     Where bf16 trains more than ``max_ratio`` times slower than fp32 in this run's calibration
-    (bf16 emulated: no AVX-512 BF16 or AMX), 300 steps would take most of an hour."""
+    (bf16 emulated: no AVX-512 BF16 or AMX), it runs the steps the time left affords (whole
+    tens, at most ``steps``); fewer than ``min_steps`` would say nothing and raise Skipped."""
     if bf16_over_fp32 <= max_ratio:
         return steps, None
-    return short_steps, (
+    why = (
         f"a bf16 step took {bf16_over_fp32:.1f}x an fp32 step in this run's calibration (at "
         f"speed: at most {max_ratio:g}x): bf16 arithmetic is emulated on this CPU"
     )
+    shortened = min(steps, affordable_steps // 10 * 10)
+    if shortened < min_steps:
+        raise Skipped(f"{why}, and the time left affords {affordable_steps} steps "
+                      f"(fewer than {min_steps})")  # fmt: skip
+    return shortened, f"{why}; {shortened} steps are what the time left affords"
+
+
+def affordable_bf16_steps(
+    budget_left_s: float, fp32_step_s: float, compute_growth_s: float, configs: int
+) -> int:
+    """Steps of bf16 convergence that fit ``budget_left_s``: each takes what an fp32 step of
+    the fp32 phase took (this run, all configurations, communication included) plus what bf16
+    adds to the compute of every configuration's ranks on the cores they share."""
+    ranks_per_core = max(1.0, WORLD / (os.cpu_count() or 1))
+    per_step = fp32_step_s + configs * ranks_per_core * compute_growth_s
+    return max(0, math.floor(budget_left_s / per_step))
 
 
 # ---------------------------------------------------------------- the emulated cluster
@@ -660,7 +682,7 @@ def emulated_summary(results: dict, loopback: dict[str, dict]) -> dict[str, Any]
 def convergence(setup: dict, precision: str, steps: int, first_report_s: float) -> dict:
     """Plain stage 3, full ZeRO++ and the control on the same batches; the final loss is the
     mean of the last 20 steps' losses (each the mean over ranks)."""
-    names = ("zero3", "zeropp", CONTROL)
+    names = CONVERGENCE_CONFIGS
     spec = {
         "mode": "converge", "configs": list(names), "model": setup["model"],
         "precision": precision, "lr": setup["lr"], "local_batch": setup["local_batch"],
@@ -806,7 +828,8 @@ def run_convergence(run: Run, setup: dict) -> None:
             if precision == "bf16":
                 steps, why = bf16_steps(
                     calibration["converge_bf16_over_fp32"], setup["steps"],
-                    setup["bf16_short_steps"], setup["bf16_at_speed_max_ratio"],
+                    setup["bf16_at_speed_max_ratio"], _affordable_bf16_steps(run, setup),
+                    setup["bf16_min_steps"],
                 )  # fmt: skip
             times = calibration["converge"][precision]
             deadline = first_report_seconds(
@@ -816,6 +839,22 @@ def run_convergence(run: Run, setup: dict) -> None:
             result["shortened_from_steps"] = setup["steps"] if why else None
             result["why_shortened"] = why
             details["convergence"][precision] = result
+
+
+def _affordable_bf16_steps(run: Run, setup: dict) -> int:
+    """The bf16 steps that fit ``benchmark_budget_s`` after the phases before this one."""
+    phases = run.details["phases"]
+    fp32 = phases.get("convergence_fp32", {})
+    if fp32.get("status") != "done":
+        raise Skipped("the bf16 step count derives from the fp32 convergence phase, which did "
+                      "not complete")  # fmt: skip
+    spent = sum(phase.get("wall_s", 0.0) for phase in phases.values())
+    times = run.details["calibration"]["converge"]
+    fp32_step_s = fp32["wall_s"] / run.details["convergence"]["fp32"]["steps"]
+    return affordable_bf16_steps(
+        setup["benchmark_budget_s"] - spent, fp32_step_s,
+        times["bf16"]["step_s"] - times["fp32"]["step_s"], len(CONVERGENCE_CONFIGS),
+    )  # fmt: skip
 
 
 def metrics(details: dict[str, Any]) -> dict[str, Any]:

@@ -48,11 +48,25 @@ def test_link_penalty_removed_is_the_share_of_zero3s_link_penalty_a_config_avoid
     assert zeropp.link_penalty_removed(1.0, 0.9, 1.0) is None  # no penalty to remove
 
 
-def test_bf16_convergence_runs_in_full_at_speed_and_shortened_with_the_reason_otherwise() -> None:
-    assert zeropp.bf16_steps(1.4, 300, 100, 2.0) == (300, None)
-    steps, why = zeropp.bf16_steps(16.1, 300, 100, 2.0)
-    assert steps == 100
-    assert "16.1x an fp32 step" in why and "emulated" in why
+def test_bf16_convergence_runs_in_full_at_speed_and_what_the_time_affords_otherwise() -> None:
+    assert zeropp.bf16_steps(1.4, 300, 2.0, affordable_steps=7, min_steps=40) == (300, None)
+    steps, why = zeropp.bf16_steps(16.1, 300, 2.0, affordable_steps=117, min_steps=40)
+    assert steps == 110
+    assert "16.1x an fp32 step" in why and "emulated" in why and "110 steps" in why
+    assert zeropp.bf16_steps(16.1, 300, 2.0, affordable_steps=900, min_steps=40)[0] == 300
+    with pytest.raises(zeropp.Skipped, match="affords 39 steps"):
+        zeropp.bf16_steps(16.1, 300, 2.0, affordable_steps=39, min_steps=40)
+
+
+def test_affordable_bf16_steps_add_the_bf16_compute_of_every_rank_sharing_a_core(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(zeropp.os, "cpu_count", lambda: 2)  # 4 ranks: 2 per core
+    # each step: 1.0 s measured in fp32 + 3 configs x 2 ranks per core x 0.5 s more compute
+    assert zeropp.affordable_bf16_steps(400.0, 1.0, 0.5, 3) == 100
+    assert zeropp.affordable_bf16_steps(-5.0, 1.0, 0.5, 3) == 0
+    monkeypatch.setattr(zeropp.os, "cpu_count", lambda: 16)  # a core each
+    assert zeropp.affordable_bf16_steps(400.0, 1.0, 0.5, 3) == 160
 
 
 def test_first_report_deadline_grows_with_every_measured_time() -> None:
