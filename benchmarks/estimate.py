@@ -30,6 +30,8 @@ training (``gpu=False``: the simulated device, no host staging of a real device)
 - ``wire_bytes_ledger_vs_veth_ratio``: the ledger's cross-node bytes of the ZeRO++ case over
   the bytes the emulated cluster's veth pair transmitted in the same step
   (``benchmarks._wire_counters``); needs root and iproute2, otherwise reported as skipped.
+  Its ranks may take ``SLACK`` (4) times what this run's loopback launch of the same world
+  (2 nodes x 2, the ZeRO++ cases) took, no constant.
 - ``max_rel_error_deepspeed_formula_vs_measured``: DeepSpeed's own estimators (deepspeed
   0.19.8), computed here from their formulas, against the measured peak *model-state* bytes
   on the device (their formula has no term for activations or buffers), over the grid:
@@ -52,6 +54,7 @@ import multiprocessing
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -345,10 +348,13 @@ def relative(predicted: int, measured: int) -> float:
     return abs(predicted - measured) / measured if measured else float(predicted != 0)
 
 
-def measure_all(todo: list[dict[str, Any]]) -> dict[str, dict]:
+def measure_all(
+    todo: list[dict[str, Any]],
+) -> tuple[dict[str, dict], dict[tuple[int, int], float]]:
     """Every case: one-process ones here (the allocator profiled where it sees every tier),
-    the others in one launch per world shape."""
+    the others in one launch per world shape; and each launch's seconds, by (world, node)."""
     measured: dict[str, dict] = {}
+    launch_s: dict[tuple[int, int], float] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for case in todo:
             if case["world"] == 1:
@@ -356,10 +362,11 @@ def measure_all(todo: list[dict[str, Any]]) -> dict[str, dict]:
     shapes = sorted({(c["world"], c.get("node") or 0) for c in todo if c["world"] > 1})
     for world, node in shapes:
         group = [c for c in todo if c["world"] == world and (c.get("node") or 0) == node]
-        measured.update(
-            zip(map(label, group), measure_distributed(group, world, node or None), strict=True)
-        )
-    return measured
+        started = time.monotonic()
+        results = measure_distributed(group, world, node or None)
+        launch_s[world, node] = time.monotonic() - started
+        measured.update(zip(map(label, group), results, strict=True))
+    return measured, launch_s
 
 
 def compare(case: dict[str, Any], got: dict[str, int]) -> dict[str, Any]:
@@ -397,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args("estimate", __doc__.splitlines()[0], argv)
     setup = QUICK if args.quick else FULL
     todo = cases(setup)
-    measured = measure_all(todo)
+    measured, launch_s = measure_all(todo)
     details = [compare(case, measured[label(case)]) for case in todo]
     print_table(
         "per rank: peak device, host and NVMe bytes, wire bytes per step (bf16); relative errors",
@@ -432,8 +439,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
     )
     veth = _wire_counters.measure_cluster(
-        ZEROPP["qwZ+hpZ+qgZ"], setup["sizes"][-1], setup["batches"][0]
-    )
+        ZEROPP["qwZ+hpZ+qgZ"], setup["sizes"][-1], setup["batches"][0],
+        launch_s[_wire_counters.WORLD, _wire_counters.PER_NODE],
+    )  # fmt: skip
     worst = {
         key: max(row["rel_error"][key] for row in details)
         for key in ("device_peak", "host_peak", "nvme_peak", "wire", "cross_node")
