@@ -3,7 +3,8 @@ under gradient clipping (speculative, with rollbacks), and with states on NVMe.
 
     python -m benchmarks.offload_overlap [--quick] [--json PATH]
 
-A GPT trains in bf16 on Python's standard-library text (``chunkmem train``'s data) with its
+A GPT trains in bf16 (fp32 where this CPU emulates bf16, see the note on precision) on
+Python's standard-library text (``chunkmem train``'s data) with its
 fp32 masters and Adam moments on the host (``offload.optimizer: host``), where the native host
 optimizer updates them. Two engines on the same model and data differ only in
 ``offload.overlap``: the serial one updates every chunk group in ``engine.step()``; the
@@ -23,7 +24,18 @@ of the serial step, which depends on the CPU (bf16 compute is emulated without A
 and on the tokens per step. The benchmark measures that share for micro-batches of 16 to 256
 tokens and takes the most tokens at which the host update is still at least 30% of the serial
 step (as when a GPU computes and the host updates: DeepSpeed issue 6834, 0.2 s -> ~10 s with
-offload). The keys are then about the overlap, not the CPU:
+offload). The keys are then about the overlap, not the CPU.
+
+[Note: precision by measurement] A CPU without AVX-512 BF16 or AMX emulates bf16 arithmetic
+through fp32: forward and backward then take several times an fp32 one, and on an AVX2-only
+EPYC the host update was 5% of the serial step even at 16 tokens, nowhere near the regime. So
+a calibration (the serial engine at the fewest tokens, bf16 and fp32 steps alternating)
+decides: bf16, the recipe, where a bf16 forward and backward take at most
+BF16_AT_SPEED_MAX_RATIO times an fp32 one; fp32 otherwise, with the measured ratio and the
+reason in ``details.precision``. A GPU computes bf16 at speed, so fp32 on such a CPU is the
+closer emulation of the split.
+
+The keys:
 
 - ``update_hidden_fraction``: (T_serial - T_overlapped) / (T_serial - T_serial,fwd+bwd), the
   share of the serial optimizer time the overlap hides (medians over the measured steps);
@@ -53,6 +65,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,6 +85,8 @@ N_LAYER = 8
 TOKENS = (16, 32, 64, 128, 256)
 MIN_HOST_SHARE = 0.3
 CLIP = 1.0
+PRECISIONS = ("fp32", "bf16")
+BF16_AT_SPEED_MAX_RATIO = 2.0
 # The loss is scaled by this much in the clipped runs: a micro-batch of a few hundred tokens
 # has gradient norms of 2-18 where a settled large-batch run sits below 1, and Adam's update
 # does not depend on the gradients' scale (up to eps), so the run trains the same while
@@ -85,11 +100,11 @@ def quartiles(values: Sequence[float]) -> dict[str, float]:
     return {"median": q2, "q1": q1, "q3": q3, "min": min(values), "max": max(values)}
 
 
-def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str):
+def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str, precision: str):
     engine = chunkmem.initialize(
         copy.deepcopy(model),
         config={
-            "precision": "bf16",
+            "precision": precision,
             "device": {"type": "simulated", "capacity": "4GiB"},
             "optimizer": {"lr": 1e-4},
             "gradient_clipping": clip,
@@ -140,14 +155,47 @@ def model_for(tokens: int, pretrain_steps: int = 0) -> GPT:
     return model
 
 
+def choose_precision(pinned: bool, path: str, steps: int) -> dict[str, Any]:
+    """bf16 where this CPU computes it at speed, else fp32 (the module's note on precision):
+    forward and backward of the serial engine at the fewest tokens (the host update is the
+    same work in both), ``steps`` steps after two, the precisions alternating so that a
+    change in load hits both; the median of the paired ratios."""
+    tokens, model = TOKENS[0], model_for(TOKENS[0])
+    seconds: dict[str, list[float]] = {precision: [] for precision in PRECISIONS}
+    engines = {}
+    try:
+        for precision in PRECISIONS:
+            engines[precision] = build(
+                model, False, pinned, 0.0, "host", f"{path}/{precision}", precision
+            )
+        for index, (x, y) in enumerate(text_batches(tokens, 2 + steps)):
+            for precision in PRECISIONS if index % 2 else PRECISIONS[::-1]:
+                forward_backward_s = one_step(engines[precision], x, y, 1.0, pinned)[1]
+                if index >= 2:
+                    seconds[precision].append(forward_backward_s)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    ratio = statistics.median(b / f for b, f in zip(seconds["bf16"], seconds["fp32"], strict=True))
+    at_speed = ratio <= BF16_AT_SPEED_MAX_RATIO
+    why = (
+        None if at_speed
+        else f"a bf16 forward and backward took {ratio:.1f}x an fp32 one here (at speed: at most "
+        f"{BF16_AT_SPEED_MAX_RATIO:g}x): bf16 arithmetic is emulated on this CPU, so the runs "
+        f"train in fp32"
+    )  # fmt: skip
+    return {"precision": "bf16" if at_speed else "fp32", "bf16_over_fp32": ratio,
+            "forward_backward_s_samples": seconds, "why_precision": why}  # fmt: skip
+
+
 def choose_tokens(
-    pinned: bool, path: str, steps: int, sizes: Sequence[int] = TOKENS
+    pinned: bool, path: str, steps: int, precision: str, sizes: Sequence[int] = TOKENS
 ) -> tuple[int, dict[int, float]]:
     """The most tokens per step of ``sizes`` at which the host update is still MIN_HOST_SHARE
     of the serial step (measured over ``steps`` steps after two), and the share at each."""
     shares: dict[int, float] = {}
     for tokens in sizes:
-        engine = build(model_for(tokens), False, pinned, 0.0, "host", path)
+        engine = build(model_for(tokens), False, pinned, 0.0, "host", path, precision)
         samples = [
             one_step(engine, x, y, 1.0, pinned) for x, y in text_batches(tokens, 2 + steps)
         ][2:]  # fmt: skip
@@ -162,11 +210,11 @@ def choose_tokens(
 
 
 def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, clip: float,
-             where: str, path: str, forced: bool) -> dict:  # fmt: skip
+             where: str, path: str, forced: bool, precision: str) -> dict:  # fmt: skip
     """Both engines, step by step in alternating order; per-step samples and bit-identity."""
     engines = {
-        "serial": build(model, False, pinned, clip, where, f"{path}/serial"),
-        "overlapped": build(model, True, pinned, clip, where, f"{path}/overlapped"),
+        "serial": build(model, False, pinned, clip, where, f"{path}/serial", precision),
+        "overlapped": build(model, True, pinned, clip, where, f"{path}/overlapped", precision),
     }
     samples: dict[str, list[tuple]] = {name: [] for name in engines}
     forced_steps: list[int] = []
@@ -257,17 +305,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if pinned:
         os.sched_setaffinity(0, {COMPUTE_CORE})
     with tempfile.TemporaryDirectory() as nvme:
+        calibration = choose_precision(pinned, nvme, share_steps)
+        precision = calibration["precision"]
         tokens, shares = choose_tokens(
-            pinned, nvme, share_steps, TOKENS[2:] if args.quick else TOKENS
+            pinned, nvme, share_steps, precision, TOKENS[2:] if args.quick else TOKENS
         )
         model = model_for(tokens, pretrain_steps)
         runs = {
-            "plain": run_pair(model, tokens, steps, warmup, pinned, 0.0, "host", nvme, False),
-            "clipped": run_pair(model, tokens, steps, warmup, pinned, CLIP, "host", nvme, True),
-            "nvme": run_pair(
-                model, tokens, nvme_steps, nvme_warmup, pinned, CLIP, "nvme", nvme, False
+            "plain": run_pair(
+                model, tokens, steps, warmup, pinned, 0.0, "host", nvme, False, precision
             ),
-        }
+            "clipped": run_pair(
+                model, tokens, steps, warmup, pinned, CLIP, "host", nvme, True, precision
+            ),
+            "nvme": run_pair(
+                model, tokens, nvme_steps, nvme_warmup, pinned, CLIP, "nvme", nvme, False,
+                precision,
+            ),
+        }  # fmt: skip
     plain = analyse(runs["plain"], 0.0)
     clipped = analyse(runs["clipped"], CLIP)
     on_nvme = analyse(runs["nvme"], CLIP)
@@ -285,9 +340,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "step_time_ratio_overlapped_vs_serial": plain["step_time_ratio"]["median"],
     }
     print(
-        f"GPT {N_LAYER}x512, bf16, {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
+        f"GPT {N_LAYER}x512, {precision}, {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
         f"serial step; shares measured: {', '.join(f'{t}: {s:.2f}' for t, s in shares.items())})"
         + ("" if pinned else "; NOT pinned (fewer than 2 cores): the ratios are not meaningful")
+        + (f"\n{calibration['why_precision']}" if calibration["why_precision"] else "")
     )
     print_table(
         "overlapped vs serial (median step ms over the steps where clipping did not fire)",
@@ -308,6 +364,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"\n{json.dumps(metrics, indent=1)}\nbit-identical: {identical}")
     details = {
+        "precision": calibration,
         "tokens_per_step": tokens,
         "host_update_share_by_tokens": shares,
         "min_host_share": MIN_HOST_SHARE,
