@@ -14,6 +14,7 @@ allocator's own statistics include them.
 from __future__ import annotations
 
 import abc
+import threading
 import warnings
 
 import torch
@@ -21,6 +22,33 @@ import torch
 from chunkmem.errors import CapacityError
 from chunkmem.meters import CudaAllocatorMeter, NonModelMeter, OperatorOutputMeter
 from chunkmem.temporaries import uncounted
+
+
+class DeferredCopy:
+    """A copy between two tensors in host memory left to whoever first waits for it, on any
+    thread: the simulated device's stand-in for a copy engine's event.
+
+    [Note: copies a reader runs] A GPU copies a chunk to the host on its copy engine while
+    the host goes on; the simulated device's copies are ``copy_`` calls, work for the thread
+    that issues them. Where the one reading the copy is another thread (an early host update,
+    offload/overlap.py) the copy is its work: the engine's thread goes on with backward and
+    the update's thread copies (without the GIL) before it reads, as it would wait for the
+    copy engine's event on a GPU. Until then the source is held (chunkmem/drains.py), as a
+    draining device payload is."""
+
+    def __init__(self, destination: torch.Tensor, source: torch.Tensor) -> None:
+        self._destination = destination
+        self._source: torch.Tensor | None = source
+        self._lock = threading.Lock()
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._source is not None:
+                self._destination.copy_(self._source)
+                self._source = None  # the source may be freed once its drain is reaped
+
+    def is_completed(self) -> bool:
+        return self._source is None
 
 
 class ComputeDevice(abc.ABC):
@@ -67,7 +95,8 @@ class ComputeDevice(abc.ABC):
 
 
 class SimulatedDevice(ComputeDevice):
-    """A capacity-limited pool in host memory; copies are synchronous.
+    """A capacity-limited pool in host memory; copies are synchronous, except those a caller
+    leaves to its reader (:class:`DeferredCopy`).
 
     [Note: reusing buffers] Chunks come and go every step (gradients after the step, gathered
     copies after each phase); allocating each afresh from malloc pays page faults on every
@@ -113,10 +142,11 @@ class SimulatedDevice(ComputeDevice):
         return None
 
     def wait_host(self, event: object | None) -> None:
-        return None
+        if event is not None:
+            event.wait()  # type: ignore[attr-defined] - a DeferredCopy
 
     def completed(self, event: object | None) -> bool:
-        return True
+        return event is None or event.is_completed()  # type: ignore[attr-defined]
 
 
 class CudaDevice(ComputeDevice):

@@ -9,7 +9,8 @@ which keeps the tensor, unfreed, and charges its bytes to the ledger as ``draini
 frees both (the tier's ``free``: the simulated device's buffer cache must not hand it out
 either) only once the copy's event completed: polled at every moment and before room is made,
 waited for, oldest first, only when room is needed now. The simulated device copies
-synchronously and never drains.
+synchronously and never drains, except a copy left to its reader (chunkmem/devices.py,
+[Note: copies a reader runs]), which drains until the reader ran it.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from chunkmem.placement import offloaded_group_count, optimizer_state_device_gro
 from chunkmem.residency import Residency
 from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Waitable
 from chunkmem.staging import Staging
-from chunkmem.tiers import StorageTier
+from chunkmem.tiers import StorageTier, TierCopy
 
 STATE_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 _MOMENTS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
@@ -230,21 +230,35 @@ class OptimizerStates:
         elif ChunkKind.MASTER not in chunks:
             for chunk in storage:
                 residency.touch(chunk, on_device=False)
-                residency.move(chunk, work, "step")
+                residency.move(chunk, work, "step", reader_copies=reads is not None)
         states = [chunks[k] for k in STATE_KINDS if k in chunks]
         for chunk in states:
             self.staging.stage(chunk, "step")
         present = {k: c for k, c in chunks.items() if c.tier is not None}
-        read = [c for c in states if c.arriving is not None] if reads is not None else []
+        in_flight = (
+            [c for c in present.values() if _copies_in_flight(c)] if reads is not None else []
+        )
         with (
-            residency.pinned([c for c in present.values() if c not in read]),
-            residency.pinned(read, wait=False),
+            residency.pinned([c for c in present.values() if c not in in_flight]),
+            residency.pinned(in_flight, wait=False),
         ):
             if reads is not None:
-                reads.extend(c.arriving for c in read)  # type: ignore[misc]
+                reads.extend(w for c in in_flight for w in _copies_in_flight(c))
             yield present
         for chunk in states:
             self.staging.write_back(chunk, home, "step", wait=False)
+
+
+def _copies_in_flight(chunk: Chunk) -> list[Waitable]:
+    """What a reader of ``chunk`` on another thread waits for: a read from a home that is not
+    addressable, a copy into its tier (off the device, on a copy engine or left to the reader)."""
+    waits: list[Waitable] = []
+    if chunk.arriving is not None:
+        waits.append(chunk.arriving)  # type: ignore[arg-type]
+    if chunk.pending_event is not None:
+        assert chunk.tier is not None
+        waits.append(TierCopy(chunk.tier, chunk.pending_event))
+    return waits
 
 
 def _update_storage(chunks: dict[ChunkKind, Chunk]) -> list[Chunk]:

@@ -216,8 +216,15 @@ class Residency:
                 chunk.unpin()
 
     # ------------------------------------------------------------------ moving
-    def move(self, chunk: Chunk, dst: StorageTier, reason: str) -> None:
+    def move(
+        self, chunk: Chunk, dst: StorageTier, reason: str, reader_copies: bool = False
+    ) -> None:
         """Copy the chunk's payload to ``dst`` and free the old one.
+
+        ``reader_copies``: the chunk's next reader waits for a copy off the device itself,
+        possibly on another thread (:meth:`in_flight`), so a copy the caller's thread would
+        make is left to that wait (chunkmem/devices.py, [Note: copies a reader runs]); the old
+        payload drains until it ran.
 
         A non-addressable tier exchanges payloads with the spill tier only (see
         :mod:`chunkmem.tiers`): a move between it and any other tier is two moves through the
@@ -246,7 +253,7 @@ class Residency:
         try:
             self.ready(chunk)
             if src.addressable:
-                payload, event = dst.copy_in(chunk.payload)
+                payload, event = dst.copy_in(chunk.payload, reader_copies and src.compute)
                 arriving = None
             else:  # read into a new payload of the spill tier
                 payload, event = dst.allocate(chunk.numel, chunk.dtype), None

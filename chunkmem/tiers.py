@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from chunkmem.devices import ComputeDevice
+from chunkmem.devices import ComputeDevice, DeferredCopy
 from chunkmem.sharding import Waitable
 
 
@@ -45,13 +45,22 @@ class StorageTier(abc.ABC):
         """``payload`` (from ``allocate`` or ``copy_in``) is no longer needed."""
 
     @abc.abstractmethod
-    def copy_in(self, source: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    def copy_in(
+        self, source: torch.Tensor, reader_copies: bool = False
+    ) -> tuple[torch.Tensor, object | None]:
         """Start copying ``source`` (a payload of another tier) into a new payload here;
-        returns it and an event the reader waits for (None when the copy is done)."""
+        returns it and an event the reader waits for (None when the copy is done).
+        ``reader_copies``: a copy this tier would make on the caller's thread may be left to
+        the reader's wait instead (chunkmem/devices.py, [Note: copies a reader runs]); tiers
+        whose copies are asynchronous already ignore it."""
 
     @abc.abstractmethod
     def wait(self, event: object | None) -> None:
         """Before a payload of this tier is used: wait for the copy ``event`` stands for."""
+
+    def completed(self, event: object | None) -> bool:
+        """Whether the copy ``event`` stands for is over, without waiting."""
+        return event is None or event.is_completed()  # type: ignore[attr-defined]
 
     def copy_out(self, payload: object, into: torch.Tensor) -> Waitable:
         """Non-addressable tiers: start copying ``payload`` into ``into`` (a tensor of the
@@ -83,11 +92,16 @@ class DeviceTier(StorageTier):
     def free(self, payload: torch.Tensor) -> None:
         self.device.release(payload)
 
-    def copy_in(self, source: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    def copy_in(
+        self, source: torch.Tensor, reader_copies: bool = False
+    ) -> tuple[torch.Tensor, object | None]:
         return self.device.to_device(source)
 
     def wait(self, event: object | None) -> None:
         self.device.wait(event)
+
+    def completed(self, event: object | None) -> bool:
+        return self.device.completed(event)
 
 
 class HostTier(StorageTier):
@@ -104,15 +118,43 @@ class HostTier(StorageTier):
     def free(self, payload: torch.Tensor) -> None:
         self.device.release(payload)
 
-    def copy_in(self, source: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    def copy_in(
+        self, source: torch.Tensor, reader_copies: bool = False
+    ) -> tuple[torch.Tensor, object | None]:
         payload = self.allocate(source.numel(), source.dtype)
         if source.device == self.device.torch_device and source.device.type != "cpu":
             return payload, self.device.to_host(source, payload)
-        payload.copy_(source)  # host to host (another pool, or the simulated device)
+        # host to host (another pool, or the simulated device)
+        if reader_copies:
+            return payload, DeferredCopy(payload, source)
+        payload.copy_(source)
         return payload, None
 
     def wait(self, event: object | None) -> None:
-        self.device.wait_host(event)
+        if isinstance(event, DeferredCopy):
+            event.wait()  # a host-to-host copy, whatever the device
+        else:
+            self.device.wait_host(event)
+
+    def completed(self, event: object | None) -> bool:
+        if isinstance(event, DeferredCopy):
+            return event.is_completed()
+        return self.device.completed(event)
+
+
+class TierCopy:
+    """A copy into a payload of ``tier`` as a Waitable, for a reader on another thread (the
+    chunk's ``pending_event`` stays for its owner's thread to clear at its next ``ready``)."""
+
+    def __init__(self, tier: StorageTier, event: object) -> None:
+        self.tier = tier
+        self.event = event
+
+    def wait(self) -> None:
+        self.tier.wait(self.event)
+
+    def is_completed(self) -> bool:
+        return self.tier.completed(self.event)
 
 
 class TierSet:

@@ -186,7 +186,9 @@ class NvmeTier(StorageTier):
         else:
             payload.last.when_done(recycle)
 
-    def copy_in(self, source: torch.Tensor) -> tuple[NvmeExtent, Transfer]:  # type: ignore[override]
+    def copy_in(  # type: ignore[override]
+        self, source: torch.Tensor, reader_copies: bool = False
+    ) -> tuple[NvmeExtent, Transfer]:
         """Write ``source`` (a contiguous CPU tensor) into a new extent. Blocks are copied into
         staging buffers here, so ``source`` may be freed on return; the disk writes finish in
         the background (wait on the returned transfer)."""

@@ -72,7 +72,9 @@ def make_async(engine: chunkmem.Engine, polls: int) -> AsyncCopyDevice:
     for tier in residency.tiers:
         tier.device = device
 
-    def copy_in(self: HostTier, source: torch.Tensor) -> tuple[torch.Tensor, object | None]:
+    def copy_in(
+        self: HostTier, source: torch.Tensor, reader_copies: bool = False
+    ) -> tuple[torch.Tensor, object | None]:
         payload = self.allocate(source.numel(), source.dtype)
         if residency.chunk_of_storage(source) is not None:  # a device payload
             return payload, device.to_host(source, payload)

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import warnings
 
 import pytest
 import torch
 
 import chunkmem
+from chunkmem.devices import DeferredCopy
 from chunkmem.errors import ConfigError, EngineUsageError
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from tests.offload_helpers import (
@@ -165,6 +167,36 @@ def test_the_overlapped_step_equals_the_serial_step_bit_for_bit(
         engine.close()
     for name, value in runs[False].items():
         assert torch.equal(runs[True][name], value), name
+
+
+def test_fp32_early_updates_copy_their_chunks_off_the_device_on_the_host_thread(
+    monkeypatch,
+) -> None:
+    """fp32 training updates the parameter chunk itself on the host: an early update's moves
+    of it and its gradients are left to the update's thread, which copies before it reads
+    (chunkmem/devices.py, [Note: copies a reader runs]); backward's thread copies nothing."""
+    copied_on: list[str] = []
+    wait = DeferredCopy.wait
+
+    def recording_wait(self: DeferredCopy) -> None:
+        if not self.is_completed():
+            copied_on.append(threading.current_thread().name)
+        wait(self)
+
+    monkeypatch.setattr(DeferredCopy, "wait", recording_wait)
+    data = batches(6, rows=8)
+    engine = initialize(
+        make_model(),
+        precision="fp32",
+        device=DEVICE,
+        offload={"optimizer": "host", "overlap": True},
+    )
+    train_engine(engine, data)
+    started = engine.reducer.listener.started
+    engine.close()
+    assert started >= len(data) - 2
+    assert len(copied_on) >= 2 * started, "the parameter and gradient chunk of each update"
+    assert all(name.startswith("chunkmem-host-step") for name in copied_on), set(copied_on)
 
 
 def test_the_overlapped_norm_check_sees_the_serial_norm_and_stops_on_nan() -> None:

@@ -4,21 +4,22 @@ needs no change in residency, the ledger or the report."""
 from __future__ import annotations
 
 import ast
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from chunkmem.chunk import ChunkKind, ChunkLayout
-from chunkmem.devices import SimulatedDevice
+from chunkmem.devices import DeferredCopy, SimulatedDevice
 from chunkmem.errors import OutOfMemoryError
-from chunkmem.ledger import Ledger
+from chunkmem.ledger import DRAINING, Ledger
 from chunkmem.placement import Placement
 from chunkmem.report.html_page import render_html
 from chunkmem.report.memory_trace import build_memory_trace
 from chunkmem.report.summary import RunSummary
 from chunkmem.residency import Residency
-from chunkmem.tiers import DeviceTier, HostTier, TierSet
+from chunkmem.tiers import DeviceTier, HostTier, TierCopy, TierSet
 from chunkmem.tracer import Moment, Phase, Tracer
 
 CHUNK = 256  # elements
@@ -117,3 +118,35 @@ def test_residency_names_no_tier() -> None:
         if isinstance(node, ast.Constant) and isinstance(node.value, str)
     }
     assert not literals & {"device", "host", "nvme"}
+
+
+def test_a_copy_off_the_device_left_to_its_reader_holds_the_device_bytes_until_it_ran() -> None:
+    residency = residency_with_second_host_pool(pool_capacity=None)
+    chunk = new_param_chunk(residency, 0)
+    values = torch.arange(CHUNK, dtype=torch.float32)
+    chunk.payload.copy_(values)
+    ledger = residency.ledger
+    residency.move(chunk, residency.tiers.spill, "test", reader_copies=True)
+    assert not torch.equal(chunk.payload, values), "the engine's thread did not copy"
+    assert ledger.device.by_kind == {"param": 0, DRAINING: CHUNK * 4}
+    residency.drains.reap()
+    assert ledger.device.by_kind[DRAINING] == CHUNK * 4, "held until the reader's copy ran"
+
+    reader = threading.Thread(target=TierCopy(chunk.tier, chunk.pending_event).wait)
+    reader.start()
+    reader.join()
+    assert torch.equal(chunk.payload, values)
+    residency.ready(chunk)  # the owner's wait after the reader's copies nothing again
+    residency.drains.reap()
+    assert ledger.device.by_kind[DRAINING] == 0 and ledger.device.used == 0
+    assert ledger.tiers["host"].by_kind["param"] == CHUNK * 4
+
+
+def test_a_copy_left_to_its_reader_runs_once_whoever_waits_first() -> None:
+    source, destination = torch.ones(CHUNK), torch.zeros(CHUNK)
+    copy = DeferredCopy(destination, source)
+    assert not copy.is_completed()
+    copy.wait()
+    source.fill_(2.0)  # a second wait must not copy what the source holds now
+    copy.wait()
+    assert copy.is_completed() and torch.equal(destination, torch.ones(CHUNK))
