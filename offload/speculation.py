@@ -118,19 +118,32 @@ class Snapshot:
         self.grad_slots = [s for s, _lo, _hi in self.pieces if s.grad_in_param_slot]
         update.before_run.append(self.take)
 
+    @staticmethod
+    def ahead_kinds(layout: ChunkLayout) -> frozenset[ChunkKind]:
+        """The states a copy taken ahead holds: those in host memory while the forward runs,
+        every one with fp32 masters, the moments in fp32 training (its parameter chunk, the
+        value, is on the device then and is copied with the update)."""
+        if ChunkKind.MASTER in layout.chunks:
+            return frozenset((ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ))
+        return frozenset((ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ))
+
     def take_states(self) -> None:
-        """Copy the values and moments from their chunks in host memory (on the update's
-        thread, ahead of the update: nothing writes them until it runs)."""
-        self._copy(self.state_targets(self.layout, self.pieces), self.layout.chunks)
+        """Copy the states of :meth:`ahead_kinds` from their chunks in host memory (on the
+        update's thread, ahead of the update: nothing writes them until it runs)."""
+        ahead = self.ahead_kinds(self.layout)
+        targets = self.state_targets(self.layout, self.pieces)
+        self._copy([t for t in targets if t[0] in ahead], self.layout.chunks)
 
     def take(self) -> None:
         """Copy what the update will overwrite and was not taken ahead (on the update's
         thread, before its kernels)."""
         assert self.update is not None
+        targets = self.state_targets(self.layout, self.pieces)
         if self.ahead is not None:
             self.ahead.result()  # ran before this on the same thread: raises what it raised
-        else:
-            self._copy(self.state_targets(self.layout, self.pieces), self.update.chunks)
+            ahead = self.ahead_kinds(self.layout)
+            targets = [t for t in targets if t[0] not in ahead]
+        self._copy(targets, self.update.chunks)
         self._copy(self.slot_targets(self.layout, self.pieces), self.update.chunks)
 
     def _copy(
@@ -199,7 +212,8 @@ class Speculation:
     as soon as the next forward starts (:meth:`take_ahead`, queued on the update thread in the
     order the groups became final): the host, idle until backward's first gradients are final
     (on a GPU machine, for the whole forward), copies then, and the update only copies the
-    16-bit slots that backward filled with gradients. A copy taken ahead for pieces that differ
+    16-bit slots that backward filled with gradients (and, in fp32 training, the parameters:
+    their chunk is on the device until the update). A copy taken ahead for pieces that differ
     from the update's, or whose update does not start early, is dropped once it has run.
     """
 
@@ -224,9 +238,9 @@ class Speculation:
     def take_ahead(
         self, layout: ChunkLayout, pieces: list[Piece], submit: Callable[..., Future]
     ) -> None:
-        """Start copying the states the update of ``pieces`` will overwrite (they live in host
-        memory, with fp32 masters) through ``submit``, the update thread's queue."""
-        if layout.index in self._ahead or ChunkKind.MASTER not in layout.chunks:
+        """Start copying the states the update of ``pieces`` will overwrite that live in host
+        memory (:meth:`Snapshot.ahead_kinds`) through ``submit``, the update thread's queue."""
+        if layout.index in self._ahead:
             return
         snapshot = self._snapshot(layout, pieces)
         if snapshot is not None:

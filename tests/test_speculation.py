@@ -23,6 +23,7 @@ def recipe(kind: str) -> dict:
     """The clip sits above this model's norms (8-13) and below a scaled step's (8e4-9e4)."""
     return {
         "clip": {"precision": "bf16", "gradient_clipping": 100.0},
+        "clip_fp32": {"precision": "fp32", "gradient_clipping": 100.0},
         "fp16": {"precision": "fp16", "gradient_clipping": 100.0},
         "skip": {"precision": "bf16", "gradient_clipping": 100.0, "nonfinite": "skip"},
     }[kind]
@@ -57,11 +58,11 @@ def same_steps(ours: list, theirs: list) -> None:
             assert torch.equal(a[3][name], value), (step, name)
 
 
-@pytest.mark.parametrize("kind", ["clip", "fp16", "skip"])
+@pytest.mark.parametrize("kind", ["clip", "clip_fp32", "fp16", "skip"])
 @pytest.mark.parametrize("where", ["host", "nvme"])
 def test_speculative_steps_equal_the_serial_steps_bit_for_bit(kind, where, tmp_path) -> None:
     data = batches(STEPS, rows=8)
-    poison = kind != "clip"
+    poison = not kind.startswith("clip")
     runs, engines = {}, {}
     for overlap in (False, True):
         engine = initialize(
@@ -210,17 +211,19 @@ class Branching(Net):
         return torch.nn.functional.mse_loss(self.out(h), y)
 
 
-def test_states_copied_ahead_in_the_forward_keep_every_step_exact() -> None:
+@pytest.mark.parametrize("kind", ["clip", "clip_fp32"])
+def test_states_copied_ahead_in_the_forward_keep_every_step_exact(kind: str) -> None:
     """Host states are copied while the forward runs (offload/speculation.py, [Note: copies
-    taken ahead]); a copy whose update's pieces differ (a layer left out) is dropped and the
-    update copies its own. Steps equal the serial ones bit for bit, clipping forced or not."""
+    taken ahead]: fp32 training's moments, its parameters with the update); a copy whose
+    update's pieces differ (a layer left out) is dropped and the update copies its own. Steps
+    equal the serial ones bit for bit, clipping forced or not."""
     data = batches(STEPS, rows=8)
     runs, engines = {}, {}
     for overlap in (False, True):
         torch.manual_seed(0)
         model = Branching()
         engine = initialize(model, device=DEVICE,
-                            offload={"optimizer": "host", "overlap": overlap}, **recipe("clip"))  # fmt: skip
+                            offload={"optimizer": "host", "overlap": overlap}, **recipe(kind))  # fmt: skip
         out = []
         for step, (x, y) in enumerate(data):
             model.skip_last = step % 2 == 1
