@@ -235,15 +235,14 @@ class OptimizerStates:
         for chunk in states:
             self.staging.stage(chunk, "step")
         present = {k: c for k, c in chunks.items() if c.tier is not None}
-        in_flight = (
-            [c for c in present.values() if _copies_in_flight(c)] if reads is not None else []
-        )
+        copies = {c: _copies_in_flight(c) for c in present.values()} if reads is not None else {}
+        in_flight = [c for c, waits in copies.items() if waits]
         with (
             residency.pinned([c for c in present.values() if c not in in_flight]),
             residency.pinned(in_flight, wait=False),
         ):
             if reads is not None:
-                reads.extend(w for c in in_flight for w in _copies_in_flight(c))
+                reads.extend(w for c in in_flight for w in copies[c])
             yield present
         for chunk in states:
             self.staging.write_back(chunk, home, "step", wait=False)

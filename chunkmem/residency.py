@@ -222,7 +222,7 @@ class Residency:
         """Copy the chunk's payload to ``dst`` and free the old one.
 
         ``reader_copies``: the chunk's next reader waits for a copy off the device itself,
-        possibly on another thread (:meth:`in_flight`), so a copy the caller's thread would
+        possibly on another thread (:class:`chunkmem.tiers.TierCopy`), so a copy the caller's thread would
         make is left to that wait (chunkmem/devices.py, [Note: copies a reader runs]); the old
         payload drains until it ran.
 

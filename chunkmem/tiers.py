@@ -122,23 +122,18 @@ class HostTier(StorageTier):
         self, source: torch.Tensor, reader_copies: bool = False
     ) -> tuple[torch.Tensor, object | None]:
         payload = self.allocate(source.numel(), source.dtype)
-        if source.device == self.device.torch_device and source.device.type != "cpu":
-            return payload, self.device.to_host(source, payload)
-        # host to host (another pool, or the simulated device)
-        if reader_copies:
-            return payload, DeferredCopy(payload, source)
-        payload.copy_(source)
+        if source.device == self.device.torch_device:
+            if source.device.type != "cpu":
+                return payload, self.device.to_host(source, payload)
+            if reader_copies:  # the simulated device: its "copy engine" is the reader
+                return payload, DeferredCopy(payload, source)
+        payload.copy_(source)  # host to host (another pool), or the simulated device's
         return payload, None
 
     def wait(self, event: object | None) -> None:
-        if isinstance(event, DeferredCopy):
-            event.wait()  # a host-to-host copy, whatever the device
-        else:
-            self.device.wait_host(event)
+        self.device.wait_host(event)
 
     def completed(self, event: object | None) -> bool:
-        if isinstance(event, DeferredCopy):
-            return event.is_completed()
         return self.device.completed(event)
 
 
