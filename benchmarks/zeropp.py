@@ -5,7 +5,9 @@ emulated cluster in a stated regime, and convergence.
    its engine and to train one step of each model and precision the launches run. Every
    deadline derives from these and from the steps the ranks report, none from constants.
 1. **Bytes and compute-only step time.** The same GPT trains with plain stage 3, each technique
-   alone (qwZ, hpZ, qgZ) and all three, in one launch of 4 ranks on this machine's loopback.
+   alone (qwZ, hpZ, qgZ), all three, and all three with qwZ over one ring on the world (the
+   ablation of qwZ's two-level gather, zero/quantized_gather.py), in one launch of 4 ranks on
+   this machine's loopback.
    Cross-node bytes per step come from the communication ledger, all ranks together.
 2. **The emulated cluster.** Two network namespaces, each one "node" of 2 ranks, joined by a
    veth pair whose two ends are rate-limited with ``tc`` (tbf). Addresses exist only inside
@@ -65,7 +67,10 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "hpz": {"hpz_partition_size": 2},
     "qgz": {"quantized_gradients": True},
     "zeropp": {"quantized_weights": True, "hpz_partition_size": 2, "quantized_gradients": True},
-}
+    # The ablation of the two-level weight gather: ZeRO++ with qwZ over one ring on the world.
+    "zeropp_one_ring": {"quantized_weights": True, "hpz_partition_size": 2,
+                        "quantized_gradients": True, "quantized_weights_two_level": False},
+}  # fmt: skip
 # A GPT whose parameters outweigh its compute per step (8 tokens per rank), the regime ZeRO++
 # is for: communication-bound data parallelism over a slow network (docs/zeropp.md).
 FULL = {
@@ -635,7 +640,8 @@ def _summary(name: str, entry: dict) -> dict:
 def formula(capacities: list[int], zero: dict, itemsize: int = 2, block: int = 256) -> dict:
     """Cross-node bytes per step, all ranks together, by docs/zeropp.md (2 nodes x 2, bf16,
     the default blocks): a ring on the world sends 3 of its 4 shards to the next rank, across
-    nodes from 2 of the 4 ranks; qgZ's inter-node all-to-all sends half of each rank's node
+    nodes from 2 of the 4 ranks; qwZ in two levels sends 1 shard across nodes from each rank
+    (zero/quantized_gather.py); qgZ's inter-node all-to-all sends half of each rank's node
     sums to the other node; hpZ's backward gathers stay inside the node. The step's two small
     all-reduces are measured, not modelled (``all_reduce``)."""
     from kernels.quantized import data_nbytes, num_groups
@@ -646,7 +652,8 @@ def formula(capacities: list[int], zero: dict, itemsize: int = 2, block: int = 2
         n = c // WORLD
         shard = packed_nbytes(n, 8, block) if zero.get("quantized_weights") else n * itemsize
         hpz = zero.get("hpz_partition_size", 1) > 1
-        gathers += 2 * 3 * shard * (1 if hpz else 2)
+        two_level = zero.get("quantized_weights") and zero.get("quantized_weights_two_level", True)
+        gathers += (WORLD if two_level else 2 * 3) * shard * (1 if hpz else 2)
         if zero.get("quantized_gradients"):
             s = -(-n // block) * block
             reductions += WORLD * (data_nbytes(2 * s, 4) + 4 * num_groups(2 * s, block)) // 2

@@ -317,6 +317,14 @@ class ZeroConfig(Section):
         description="Elements per qwZ block (one fp32 scale each): smaller blocks are more "
         "accurate and send 4 bytes of scale per block more.",
     )
+    quantized_weights_two_level: bool = Field(
+        True,
+        description="qwZ's gather as two all-gathers, across nodes among the ranks of one "
+        "local rank, then inside the node, where the world spans several nodes of several "
+        "ranks: a node takes in only the pieces its peers hold ((N-1)/N of the layout) where "
+        "one ring over the world brings (W-1)/W (3 pieces for 2 on 2 nodes x 2, 15 for 8 on "
+        "2 nodes x 8). false: one all-gather over the world (the ablation).",
+    )
     hpz_partition_size: int = Field(
         1,
         ge=1,

@@ -111,8 +111,13 @@ class GathererCosts:
         holds while in flight are added to ``device``."""
         raise AssertionError(f"{type(self).__name__} gathers nothing for compute")
 
-    def arrived(self, device: DeviceBytes, label: str) -> None:
-        """The gathers launched so far have completed: their buffers go back."""
+    def arrived(self, device: DeviceBytes, label: str, keep: int = 0) -> None:
+        """The gathers launched so far, but the ``keep`` launched last, have completed: their
+        buffers go back."""
+
+    def in_flight(self) -> int:
+        """Gathers launched whose buffers have not gone back."""
+        return 0
 
     def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
         """The gathered copy of ``layout`` is dropped (a model may keep part of it)."""

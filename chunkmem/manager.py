@@ -21,7 +21,7 @@ from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import ParamGatherer
 from chunkmem.states import TensorState
-from chunkmem.tracer import Moment
+from chunkmem.tracer import Moment, Phase
 
 
 class ChunkManager:
@@ -51,6 +51,8 @@ class ChunkManager:
         self.residency.release_transient_pins()
         self.gatherer.moment_over()
         self.residency.enter_moment(moment)
+        if moment.phase is not Phase.STEP:
+            self.gatherer.before_access()
 
     def after_access(self) -> None:
         self.residency.after_access()

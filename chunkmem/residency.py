@@ -472,26 +472,31 @@ class Residency:
         self.evict_for(0, budget, protect=set(), reason="evict")
         if all_resident:
             return
-        # Chunks this moment still brings in after the access (gradient chunks written by
-        # backward) keep their room: a prefetch must not be what they evict.
+        for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
+            chunk = self.chunks.get(chunk_id)
+            if chunk is None or chunk.tier is None or chunk.on_device or not chunk.movable():
+                continue  # on the device already, nothing to copy (gathered, freed), in use
+            if not self.room_ahead(chunk.nbytes, ahead):
+                break
+            self.move(chunk, self.compute, "prefetch")
+
+    def room_ahead(self, nbytes: int, moments_ahead: int) -> bool:
+        """Whether ``nbytes`` more fit on the device without evicting anything, under the
+        budget from now until ``moments_ahead`` moments on, beside the chunks the current
+        moment still brings in (gradient chunks written by backward, chunks not fetched yet):
+        a prefetch must not be what they evict."""
         reserved = sum(
             self.chunks[c].nbytes
             for c, on_device in self.tracer.current_accesses().items()
             if on_device and c in self.chunks and not self.chunks[c].on_device
         )
-        for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
-            chunk = self.chunks.get(chunk_id)
-            if chunk is None or chunk.tier is None or chunk.on_device or not chunk.movable():
-                continue  # on the device already, nothing to copy (gathered, freed), in use
-            window_budget = self.placement.chunk_budget(
-                self.tracer, self.static_device_bytes(), moments_ahead=ahead
-            )
-            needed = reserved + chunk.nbytes
-            if self._resident_bytes + needed > window_budget or not self.ledger.would_fit(
-                self.compute.name, needed
-            ):
-                break
-            self.move(chunk, self.compute, "prefetch")
+        window_budget = self.placement.chunk_budget(
+            self.tracer, self.static_device_bytes(), moments_ahead=moments_ahead
+        )
+        needed = reserved + nbytes
+        return self._resident_bytes + needed <= window_budget and self.ledger.would_fit(
+            self.compute.name, needed
+        )
 
     def after_release(self) -> None:
         """Chunks of the current moment were released: keep room for the non-model bytes the

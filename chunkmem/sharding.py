@@ -108,6 +108,11 @@ class ParamGatherer:
         """Give a freshly allocated compute chunk its content (blocking)."""
         raise AssertionError(f"{type(self).__name__} computes on persistent chunks: {chunk!r}")
 
+    def before_access(self) -> None:
+        """A moment of forward or backward began; its chunks come in next: start, where it
+        costs no room, what the next moment needs, so it queues behind what this one waits
+        for."""
+
     def after_access(self) -> None:
         """A moment's chunks are in: start what the next moments will need."""
 

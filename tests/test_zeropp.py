@@ -32,6 +32,7 @@ STEPS, MEASURED = 3, 2  # step 0 records the trace (its forward uses the local f
 ODD_BLOCK = 100  # divides no shard below: short last blocks (qwZ), padded slices (qgZ)
 PLAIN: dict[str, Any] = {}
 QWZ = {"quantized_weights": True}
+QWZ_ONE_RING = {**QWZ, "quantized_weights_two_level": False}
 HPZ = {"hpz_partition_size": 2}
 QGZ = {"quantized_gradients": True}
 ALL = {**QWZ, **HPZ, **QGZ}
@@ -188,13 +189,17 @@ def expected(rank: int, capacities: list[int], precision: str, zero: dict, block
         n = c // WORLD
         # A ring sends 3 of the 4 shards: quantized ones are levels, padding to 4 bytes and one
         # fp32 scale per block.
+        # Two-level quantized gathers (the default) send 1 shard to the other node among the
+        # ranks of one local rank, then 2 to the node's other rank.
         shard_bytes = packed_nbytes(n, weight_bits, blocks) if weight_bits else n * itemsize
         primary = 3 * shard_bytes
-        add("all_gather", "fwd", primary, _ring_cross(rank, primary))
+        two_level = weight_bits and zero.get("quantized_weights_two_level", True)
+        primary_cross = shard_bytes if two_level else _ring_cross(rank, primary)
+        add("all_gather", "fwd", primary, primary_cross)
         if zero.get("hpz_partition_size", 1) > 1:  # half the layout, to the node's other rank
             add("all_gather", "bwd", c // 2 * itemsize, 0)
         else:
-            add("all_gather", "bwd", primary, _ring_cross(rank, primary))
+            add("all_gather", "bwd", primary, primary_cross)
         if grad_bits:
             s = -(-n // blocks) * blocks  # the shard padded to whole blocks
             for slices, cross in ((WORLD, False), (NODES, True)):  # intra-, then inter-node
@@ -251,8 +256,9 @@ def _check(results, precision: str, zero: dict, blocks: int, plain_losses=None) 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_cross_node_bytes_per_step_equal_the_formula(precision: str) -> None:
     """Odd sizes, blocks of 100: each technique alone and all three, against the formula;
-    hpZ alone trains exactly like plain stage 3."""
-    configs = [PLAIN, QWZ, HPZ, QGZ, ALL] if precision == "bf16" else [
+    hpZ alone trains exactly like plain stage 3, qwZ over one ring exactly like qwZ in two
+    levels (the same bytes, another route)."""
+    configs = [PLAIN, QWZ, QWZ_ONE_RING, HPZ, QGZ, ALL] if precision == "bf16" else [
         PLAIN, HPZ, {"quantized_weights": "int4", **HPZ, "quantized_gradients": "int8"},
     ]  # fmt: skip
     plain = None
@@ -263,6 +269,10 @@ def test_cross_node_bytes_per_step_equal_the_formula(precision: str) -> None:
             plain = results
         if zero is HPZ:
             _same_training(results, plain)
+        if zero is QWZ:
+            two_level = results
+        if zero is QWZ_ONE_RING:
+            _same_training(results, two_level)
 
 
 @pytest.mark.timeout(300)

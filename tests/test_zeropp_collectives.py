@@ -5,6 +5,8 @@ error bound of docs/zeropp.md."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,10 +16,20 @@ from kernels import reference
 from tests.distributed_helpers import run_ranks
 from tests.kernels_helpers import U, assert_same_bits
 from zero.comm import Communicator
-from zero.quantized_gather import QuantizedAllGather
+from zero.quantized_gather import (
+    FlatPieces,
+    QuantizedAllGather,
+    QuantizedAllGatherCosts,
+    TwoLevelPieces,
+)
 from zero.quantized_reduce import HierarchicalQuantizedReduceScatter
-from zero.topology import Topology, build_node_groups, resolve_node_size
-from zero.wire import WireBuffers
+from zero.topology import (
+    Topology,
+    build_node_groups,
+    build_weight_gather_groups,
+    resolve_node_size,
+)
+from zero.wire import WireBuffers, packed_nbytes
 
 NODES, PER_NODE = 2, 2
 WORLD = NODES * PER_NODE
@@ -157,17 +169,26 @@ def qwz_bound(x: torch.Tensor, bits: int, block: int) -> torch.Tensor:
 def _qwz_gathers(comm: Communicator) -> list[str]:
     workspaces = _HostWorkspaces()
     wire = WireBuffers(workspaces)
+    topology = Topology(comm.size, PER_NODE)
+    comm.topology = topology
+    inter, intra = build_weight_gather_groups(comm, topology)
+    layouts = {
+        "one ring": FlatPieces(comm, comm.world),
+        "two levels": TwoLevelPieces(comm, topology, inter, intra),
+    }
     checked = []
     for dtype in (torch.float32, torch.bfloat16):
-        for bits, block in ((8, 16), (4, 256), (8, 100)):
-            gather = QuantizedAllGather(comm, wire, bits, block)
+        for (bits, block), (how, pieces) in itertools.product(
+            ((8, 16), (4, 256), (8, 100)), layouts.items()
+        ):
+            gather = QuantizedAllGather(comm, wire, bits, block, pieces)
             for n in SHARDS:
                 shard = _values(comm.rank, n, dtype)
                 full = torch.full((WORLD * n,), float("nan"), dtype=dtype)
                 for async_op in (False, True):
                     handle = gather.start(shard, full, phase="fwd", async_op=async_op)
                     handle.wait()
-                    what = f"{dtype} int{bits} block {block} shard {n}"
+                    what = f"{dtype} int{bits} block {block} shard {n}, {how}"
                     expected = torch.cat(
                         [_qwz_case(_values(r, n, dtype), bits, block) for r in range(WORLD)]
                     )
@@ -189,8 +210,44 @@ def _qwz_gathers(comm: Communicator) -> list[str]:
 @pytest.mark.timeout(120)
 def test_qwz_gather_is_the_reference_pipeline_and_within_its_bound() -> None:
     kernels.backend_for("cpu")  # build once here, not in four ranks at once
-    results = run_ranks(_qwz_gathers, WORLD, timeout_s=30)
-    assert len(results[0]) == 2 * 3 * len(SHARDS)
+    results = run_ranks(_qwz_gathers, WORLD, timeout_s=60)
+    assert len(results[0]) == 2 * 3 * 2 * len(SHARDS)
+
+
+def _cross_node_pieces(comm: Communicator) -> dict[str, int]:
+    """Bytes this rank sends to the other node in one int8 gather of 1,024-element shards."""
+    topology = Topology(comm.size, PER_NODE)
+    comm.topology = topology
+    inter, intra = build_weight_gather_groups(comm, topology)
+    wire = WireBuffers(_HostWorkspaces())
+    sent = {}
+    for how, pieces in (
+        ("one ring", FlatPieces(comm, comm.world)),
+        ("two levels", TwoLevelPieces(comm, topology, inter, intra)),
+    ):
+        before = comm.ledger.cross_node_bytes()
+        gather = QuantizedAllGather(comm, wire, 8, 256, pieces)
+        full = torch.empty(WORLD * 1024)
+        gather.start(_values(comm.rank, 1024, torch.float32), full, phase="fwd", async_op=False)
+        sent[how] = comm.ledger.cross_node_bytes() - before
+    return sent
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_qwz_two_level_gather_sends_each_piece_across_nodes_once_per_rank() -> None:
+    """On 2 nodes x 2 one ring over the world carries 3 pieces across each direction of the
+    node boundary; two levels carry the 2 the other node needs, as the cost model says."""
+    kernels.backend_for("cpu")
+    piece = packed_nbytes(1024, 8, 256)
+    results = run_ranks(_cross_node_pieces, WORLD, timeout_s=30)
+    assert sum(r["one ring"] for r in results) == NODES * (WORLD - 1) * piece
+    assert sum(r["two levels"] for r in results) == WORLD * (NODES - 1) * piece
+    for two_level in (False, True):
+        costs = QuantizedAllGatherCosts(Topology(WORLD, PER_NODE), 8, 256, two_level=two_level)
+        traffic = costs.traffic(WORLD * 1024, "fwd")
+        modelled = NODES * sum(sum(one.cross) for one in traffic)  # per node, every node
+        assert modelled == sum(r["two levels" if two_level else "one ring"] for r in results)
 
 
 # ---------------------------------------------------------------- qgZ

@@ -64,9 +64,10 @@ class ExactAllGather:
 
 class WeightGatherCosts(Protocol):
     """The cost model of a :class:`WeightGather`: a gather of a layout of ``capacity``
-    elements, and the bytes of wire buffer it asks the pool for while in flight (0: none)."""
+    elements (its collectives), and the bytes of wire buffer it asks the pool for while in
+    flight (0: none)."""
 
-    def traffic(self, capacity: int, phase: str) -> Traffic: ...
+    def traffic(self, capacity: int, phase: str) -> list[Traffic]: ...
 
     def buffer_bytes(self, capacity: int) -> int: ...
 
@@ -82,10 +83,12 @@ class ExactAllGatherCosts:
         self.itemsize = itemsize
         self.group_of = group_of or topology.world
 
-    def traffic(self, capacity: int, phase: str) -> Traffic:
-        return collective_traffic(
-            "all_gather", capacity, self.itemsize, self.topology, self.group_of, phase
-        )
+    def traffic(self, capacity: int, phase: str) -> list[Traffic]:
+        return [
+            collective_traffic(
+                "all_gather", capacity, self.itemsize, self.topology, self.group_of, phase
+            )
+        ]
 
     def buffer_bytes(self, capacity: int) -> int:
         return 0
@@ -160,7 +163,7 @@ class GatherUpdatedShardsCosts(GathererCosts):
         self.weights = weights
 
     def after_update(self, capacity: int) -> list[Traffic]:
-        return [self.weights.traffic(capacity, Phase.STEP.value)]
+        return self.weights.traffic(capacity, Phase.STEP.value)
 
 
 class GatherForCompute(ParamGatherer):
@@ -215,24 +218,63 @@ class GatherForCompute(ParamGatherer):
         """A moment needs ``chunk`` (residency made room for it)."""
         self.life(chunk.layout).unshard(self._phase_now(), async_op=not wait)
 
+    def _next_gathers(self) -> list[tuple[Chunk, Phase]]:
+        """The gathered copies the next traced moment computes on that are not on the device
+        (gathered nor arriving), with that moment's phase."""
+        residency = self.residency
+        replay = self.tracer.replay
+        assert replay is not None
+        wanted = []
+        for index, accessed in self.tracer.upcoming(1):
+            phase = replay.moments[index % len(replay)].phase
+            for chunk_id, on_device in accessed.items():
+                chunk = residency.chunks.get(chunk_id)
+                if (
+                    chunk is not None
+                    and chunk.kind is GATHERED
+                    and on_device
+                    and not chunk.on_device
+                ):
+                    wanted.append((chunk, phase))
+        return wanted
+
+    def before_access(self) -> None:
+        """[Note: the next gather before this one's wait] Gathering the next moment's copy
+        after this moment's copy arrived leaves the link idle while this rank finishes the
+        arrival (qwZ dequantizes, two levels issue their second all-gather) and starts the
+        next: ~40% of a qwZ gather's time at 2 nodes x 2 (benchmarks/zeropp). Issued before
+        the wait instead, it queues behind this moment's gather and the link stays busy; at
+        the same peak, since the two copies coexist during this moment anyway. Only where it
+        fits without evicting beside what this moment still brings in (else
+        :meth:`after_access` makes room for it, as always), and only when every copy this
+        moment computes on is already gathered or arriving: its gather is then issued
+        already, so whichever rank gathers ahead here and whichever after its wait, every
+        rank issues the same gathers in one order. Not across the cycle's end (the step
+        changes the shards)."""
+        tracer = self.tracer
+        if not tracer.replaying or tracer.replay is None:
+            return
+        if tracer.index + 1 >= len(tracer.replay):
+            return
+        residency = self.residency
+        for chunk_id, on_device in tracer.current_accesses().items():
+            chunk = residency.chunks.get(chunk_id)
+            if chunk is not None and chunk.kind is GATHERED and on_device and not chunk.on_device:
+                return
+        for chunk, phase in self._next_gathers():
+            if not residency.room_ahead(chunk.nbytes, 1):
+                return
+            self.life(chunk.layout).unshard(phase, async_op=True)
+
     def after_access(self) -> None:
         """Start gathering the layouts the next traced moment needs, so the all-gather
         overlaps this moment's compute. Driven by the trace alone, so every rank issues the
         same gathers in the same order."""
         if not self.tracer.replaying:
             return
-        residency = self.residency
-        replay = self.tracer.replay
-        for index, accessed in self.tracer.upcoming(1):
-            phase = replay.moments[index % len(replay)].phase
-            for chunk_id, on_device in accessed.items():
-                chunk = residency.chunks.get(chunk_id)
-                if chunk is None or chunk.kind is not GATHERED or not on_device:
-                    continue
-                if chunk.on_device:
-                    continue
-                residency.make_room(chunk.nbytes, {chunk.id}, "prefetch")
-                self.life(chunk.layout).unshard(phase, async_op=True)
+        for chunk, phase in self._next_gathers():
+            self.residency.make_room(chunk.nbytes, {chunk.id}, "prefetch")
+            self.life(chunk.layout).unshard(phase, async_op=True)
 
     # ------------------------------------------------------------------ reshard
     def released(self, layout: ChunkLayout, slots: list[TensorSlot], state: TensorState) -> None:
@@ -325,12 +367,16 @@ class GatherForComputeCosts(GathererCosts):
         wire = self.weights.buffer_bytes(capacity)
         if wire:
             self._in_flight.append(self.pool.take(wire, device, label))
-        return [self.weights.traffic(capacity, label.partition(":")[0])]
+        return self.weights.traffic(capacity, label.partition(":")[0])
 
-    def arrived(self, device: DeviceBytes, label: str) -> None:
-        in_flight, self._in_flight = self._in_flight, []
-        for buffer in in_flight:
+    def arrived(self, device: DeviceBytes, label: str, keep: int = 0) -> None:
+        count = len(self._in_flight) - keep
+        done, self._in_flight = self._in_flight[:count], self._in_flight[count:]
+        for buffer in done:
             self.pool.give(buffer, device, label)
+
+    def in_flight(self) -> int:
+        return len(self._in_flight)
 
     def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
         device.add(GATHERED.value, -capacity * self.itemsize, label)

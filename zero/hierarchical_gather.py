@@ -131,7 +131,7 @@ class HierarchicalGatherCosts(GatherForComputeCosts):
         if layout not in self._kept:
             return super().gather(layout, capacity, device, label)
         device.add(GATHERED.value, capacity * self.itemsize, label)
-        return [self.secondary.traffic(capacity, label.partition(":")[0])]
+        return self.secondary.traffic(capacity, label.partition(":")[0])
 
     def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
         if layout not in self._kept:

@@ -46,7 +46,12 @@ from zero.gather import (
     WeightGatherCosts,
 )
 from zero.hierarchical_gather import HierarchicalGather, HierarchicalGatherCosts
-from zero.quantized_gather import QuantizedAllGather, QuantizedAllGatherCosts
+from zero.quantized_gather import (
+    PieceGather,
+    QuantizedAllGather,
+    QuantizedAllGatherCosts,
+    TwoLevelPieces,
+)
 from zero.quantized_reduce import (
     HierarchicalQuantizedReduceScatter,
     HierarchicalQuantizedReduceScatterCosts,
@@ -63,6 +68,7 @@ from zero.topology import (
     NodeGroups,
     Topology,
     build_node_groups,
+    build_weight_gather_groups,
     check_hpz_partition_size,
     resolve_node_size,
 )
@@ -153,6 +159,7 @@ class ZeroChoice:
     gradient_bits: int | None
     gradient_block: int
     hpz_partition_size: int
+    weights_two_level: bool
 
     @classmethod
     def of(cls, config: ZeroConfig) -> ZeroChoice:
@@ -163,6 +170,17 @@ class ZeroChoice:
             _GRADIENT_BITS.get(config.quantized_gradients),
             config.quantized_gradients_block_size,
             config.hpz_partition_size,
+            config.quantized_weights_two_level,
+        )
+
+    def two_level_weights(self, topology: Topology) -> bool:
+        """qwZ gathers in two levels: asked for, and the world spans several nodes of
+        several ranks (with one of either, a level has nothing to do)."""
+        return bool(
+            self.weight_bits
+            and self.weights_two_level
+            and topology.nodes > 1
+            and topology.node_size > 1
         )
 
     @property
@@ -237,6 +255,10 @@ class ZeroStrategy(Strategy):
         self.groups: NodeGroups | None = None
         if self.choice.node_groups:
             self.groups = build_node_groups(comm, self.topology, config.hpz_partition_size)
+        self._weight_pieces: PieceGather | None = None
+        if self.choice.two_level_weights(self.topology):
+            inter, intra = build_weight_gather_groups(comm, self.topology)
+            self._weight_pieces = TwoLevelPieces(comm, self.topology, inter, intra)
         if self.choice.weight_bits or self.choice.gradient_bits or self.compression.type != "none":
             _check_native_kernels(device)
         self._wire: WireBuffers | None = None
@@ -258,7 +280,11 @@ class ZeroStrategy(Strategy):
         weights: WeightGather = ExactAllGather(self.comm)
         if choice.weight_bits:
             weights = QuantizedAllGather(
-                self.comm, self._wire_buffers(residency), choice.weight_bits, choice.weight_block
+                self.comm,
+                self._wire_buffers(residency),
+                choice.weight_bits,
+                choice.weight_block,
+                self._weight_pieces,
             )
         if choice.hpz:
             assert self.groups is not None and self.groups.hpz is not None
@@ -322,7 +348,12 @@ class ZeroStrategy(Strategy):
         if choice.gathers_for_compute:
             weights: WeightGatherCosts = exact
             if choice.weight_bits:
-                weights = QuantizedAllGatherCosts(topology, choice.weight_bits, choice.weight_block)
+                weights = QuantizedAllGatherCosts(
+                    topology,
+                    choice.weight_bits,
+                    choice.weight_block,
+                    two_level=choice.two_level_weights(topology),
+                )
             gatherer = GatherForComputeCosts(weights, pool, itemsize)
             if choice.hpz:
                 size = choice.hpz_partition_size

@@ -253,13 +253,7 @@ class _Simulation:
                 moment += 1
                 label = self.label(moment)
                 if gathers:
-                    self.gatherer.arrived(device, label)  # what was prefetched is read now
-                    for layout in self.unit_layouts[event[2]]:
-                        self._gather(gathered, layout, label)
-                    self.gatherer.arrived(device, label)
-                    if moment + 1 < len(self.moments):
-                        for layout in self.unit_layouts[self.moments[moment + 1][1]]:
-                            self._gather(gathered, layout, label)
+                    self._gather_for(moment, event[2], gathered, label)
             elif kind == "release" and gathers:
                 unit = event[2]
                 for layout in self.unit_layouts[unit]:
@@ -295,6 +289,27 @@ class _Simulation:
             self.gatherer.arrived(device, "step")
         for layout in sorted(gathered):
             self._drop(gathered, layout, "step")
+
+    def _gather_for(self, moment: int, unit: int, gathered: set[int], label: str) -> None:
+        """A moment's gathers: its own where not prefetched, then the next moment's. When all
+        of its own were prefetched the next ones launch before its own arrive (zero/gather.py,
+        [Note: the next gather before this one's wait]): both wire buffers are held."""
+        device, gatherer = self.device, self.gatherer
+        following = (
+            self.unit_layouts[self.moments[moment + 1][1]] if moment + 1 < len(self.moments) else []
+        )
+        if all(layout in gathered for layout in self.unit_layouts[unit]):
+            before = gatherer.in_flight()
+            for layout in following:
+                self._gather(gathered, layout, label)
+            gatherer.arrived(device, label, keep=gatherer.in_flight() - before)
+            return
+        gatherer.arrived(device, label)  # what was prefetched is read now
+        for layout in self.unit_layouts[unit]:
+            self._gather(gathered, layout, label)
+        gatherer.arrived(device, label)
+        for layout in following:
+            self._gather(gathered, layout, label)
 
     def _send(self, traffic: list[Traffic]) -> None:
         if self.wire is not None:
