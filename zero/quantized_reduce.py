@@ -69,10 +69,11 @@ class HierarchicalQuantizedReduceScatter:
 
 
 class _QgzWork:
-    """One qgZ reduction in flight. Launching runs steps 1-2; the intra-node exchange is
-    followed by steps 3-5 in ``wait``, or earlier in ``is_completed`` once it arrived (so the
-    inter-node exchange overlaps the rest of backward). Collectives on each node group are
-    issued in launch order on every rank, which is all that ``all_to_all`` needs."""
+    """One qgZ reduction in flight. Launching runs steps 1-2; steps 3-4 follow in ``advance``
+    (when the next reduction launched), or earlier in ``is_completed`` once the intra-node
+    exchange arrived, or in ``wait``, and step 5 in ``wait``: the inter-node exchange overlaps
+    the rest of backward. Collectives on each node group are issued in launch order on every
+    rank, which is all that ``all_to_all`` needs."""
 
     def __init__(
         self, owner: HierarchicalQuantizedReduceScatter, full: torch.Tensor, shard: torch.Tensor
@@ -129,6 +130,12 @@ class _QgzWork:
         self._intra = None
         kernels.dequant_reduce_requant(self._received.split(self._per_node), out=self._partial)
         self._inter = self._exchange(self._partial, self._sums, "inter")
+
+    def advance(self) -> None:
+        """Steps 3-4 now (:class:`zero.reduce.Staged`): the inter-node exchange overlaps
+        what backward computes next."""
+        if self._buffer is not None and self._intra is not None:
+            self._reduce_in_node()
 
     def is_completed(self) -> bool:
         if self._buffer is None:

@@ -20,7 +20,7 @@ to :class:`ReduceScatterGrads` by ``zero.strategy``; nothing else changes (docs/
 from __future__ import annotations
 
 from collections import Counter
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -68,6 +68,19 @@ class GradientReduction(Protocol):
     """
 
     def launch(self, layout: ChunkLayout, full: torch.Tensor, shard: torch.Tensor) -> Waitable: ...
+
+
+@runtime_checkable
+class Staged(Protocol):
+    """A reduction in several collectives, one after another (qgZ's two all-to-alls,
+    PowerSGD's two all-reduces): ``advance`` issues the next one, waiting for the one before
+    where it must. :class:`ReduceScatterGrads` calls it once the next reduction has launched,
+    a point every rank reaches in launch order, so the later collective overlaps the rest of
+    backward instead of starting when the reduction is waited for (on gloo, whose works
+    complete only in ``wait``, a poll never advances one). Idempotent; ``wait`` advances
+    whatever is left."""
+
+    def advance(self) -> None: ...
 
 
 class ExactReduceScatter:
@@ -156,6 +169,11 @@ class Reduction:
 
     def is_completed(self) -> bool:
         return self._handle.is_completed()
+
+    def advance(self) -> None:
+        """Issue the reduction's next collective, if it has one (:class:`Staged`)."""
+        if isinstance(self._handle, Staged):
+            self._handle.advance()
 
     def complete(self) -> None:
         """Wait, fold late gradients in, and free the whole gradient chunk."""
@@ -259,12 +277,15 @@ class ReduceScatterGrads(GradReducer):
         adds_to_shard = shard.tier is not None
         self.residency.ensure_on_device([grad, shard])
         _zero_unwritten(grad)
+        older = list(self._in_flight.values())
         self._in_flight[layout.index] = Reduction(
             layout, self.residency, self.reduction, adds_to_shard
         )
         for slot in layout.slots:
             slot.grad_reduced = slot.grad_contributions
         self._launched.add(layout.index)
+        for reduction in older:  # launch order, after this launch, on every rank
+            reduction.advance()
 
     def _complete(self, index: int) -> None:
         reduction = self._in_flight.pop(index)
@@ -305,6 +326,8 @@ class ReduceScatterGrads(GradReducer):
                     )
                 self._launch(layout)
                 self._retire(keep=MAX_REDUCTIONS_IN_FLIGHT)
+        for reduction in list(self._in_flight.values()):
+            reduction.advance()  # the last ones' next collectives together, then wait
         self._retire(keep=0)
 
     def _sync_presence(self) -> None:

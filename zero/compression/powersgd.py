@@ -147,14 +147,14 @@ class PowerSGDReduceScatter:
 
 class _PowerSGDWork:
     """One reduction in flight: the ``P`` all-reduce launched at launch, the ``Q`` all-reduce
-    in ``wait``.
+    in ``advance`` (when the next layout's reduction has launched) or else in ``wait``.
 
-    Not earlier: when a rank sees a ``P`` arrive depends on timing, so launching ``Q`` then
-    would let one rank issue layout A's ``Q`` before layout B's ``P`` and another after it,
-    and a transport that runs a collective when it is waited for (or two groups that share
-    the peers' links) hangs. ``wait`` runs where :class:`zero.reduce.ReduceScatterGrads` retires
-    the oldest reduction beyond those in flight, the same point on every rank, because
-    ``is_completed`` says False until then."""
+    Never when a poll sees ``P`` arrive: when a rank sees it depends on timing, so launching
+    ``Q`` then would let one rank issue layout A's ``Q`` before layout B's ``P`` and another
+    after it, and a transport that runs a collective when it is waited for (or two groups
+    that share the peers' links) hangs. :class:`zero.reduce.ReduceScatterGrads` advances and
+    retires reductions at points every rank reaches in launch order, and ``is_completed``
+    says False until ``wait``."""
 
     def __init__(
         self,
@@ -221,6 +221,12 @@ class _PowerSGDWork:
             m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         if self._qs:
             self._second = self._all_reduce(self._q_values)
+
+    def advance(self) -> None:
+        """Steps 3-4 now (:class:`zero.reduce.Staged`): the ``Q`` all-reduce overlaps what
+        backward computes next."""
+        if self._buffer is not None and self._first is not None:
+            self._launch_second()
 
     def is_completed(self) -> bool:
         return self._buffer is None
