@@ -122,6 +122,11 @@ class GathererCosts:
     def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
         """The gathered copy of ``layout`` is dropped (a model may keep part of it)."""
 
+    def carry(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
+        """Gather ``layout`` in the step, after its update, for the next cycle's first moment
+        (``gathers_for_compute``): as :meth:`gather`, from the updated shards."""
+        raise AssertionError(f"{type(self).__name__} gathers nothing for compute")
+
     def end_cycle(self, device: DeviceBytes, label: str) -> None:
         """The step changed the parameters: copies of the old ones go."""
 

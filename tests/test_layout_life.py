@@ -52,8 +52,10 @@ def lives_through_a_cycle(comm) -> dict:
         life.unshard = watched.__get__(life)
     engine.backward(engine(*data[2]))
     engine.step()
-    after_step = {life.state for life in lives}
-    life = lives[0]
+    after_step = [life.state for life in lives]
+    carried = [life for life in lives if life.state is not GatherState.SHARDED]
+    carried_bytes = sum(life.chunk.nbytes for life in carried)
+    life = next(life for life in lives if life.state is GatherState.SHARDED)
     with pytest.raises(AssertionError, match="illegal gather transition sharded -> releasing"):
         life.defer()
     life.unshard(Phase.FORWARD, async_op=True)
@@ -69,7 +71,9 @@ def lives_through_a_cycle(comm) -> dict:
     life.reshard()
     return {
         "seen": {state.value for state in seen},
-        "after_step": {state.value for state in after_step},
+        "after_step": [state.value for state in after_step],
+        "carried": [life.layout.index for life in carried],
+        "carried_bytes": carried_bytes,
         "walk": [s.value for s in (gathering, gathered, releasing, kept, life.state)],
         "kinds": {chunk.kind.value for chunk in engine.residency.chunks.values()},
         "gathered_bytes": engine.ledger.device.by_kind[GATHERED.value],
@@ -80,6 +84,10 @@ def test_a_layout_goes_sharded_gathering_gathered_releasing_sharded() -> None:
     for result in run_threads(lives_through_a_cycle, 2):
         # Uses gather at once (gathered); prefetches launch ahead (gathering).
         assert result["seen"] == {"gathered", "gathering"}
-        assert result["after_step"] == {"sharded"}, "the step makes every copy stale"
+        # The step makes every copy stale, but the first moment's, gathered after its update
+        # for the next forward (zero/gather.py, [Note: gathering ahead across the step]).
+        assert result["carried"] == [0]  # the embedding's layout, packed and used first
+        assert set(result["after_step"]) == {"sharded", "gathering"}
         assert result["walk"] == ["gathering", "gathered", "releasing", "gathered", "sharded"]
-        assert "gathered" in result["kinds"] and result["gathered_bytes"] == 0
+        assert "gathered" in result["kinds"]
+        assert result["gathered_bytes"] == result["carried_bytes"]

@@ -410,3 +410,56 @@ def test_a_branch_one_rank_does_not_take_stays_in_step_bit_for_bit(stage: int) -
     for rank, state in enumerate(run_threads(branch_rank, 2, stage)):
         differ = [name for name, value in expected.items() if not torch.equal(state[name], value)]
         assert differ == [], f"rank {rank}: {differ}"
+
+
+def carried_gathers(comm) -> dict:
+    """Stage 3, 4 steps: which layouts hold a gathered copy between steps, and where the first
+    moment's gather was issued (the ledger's calls per phase tag)."""
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+    engine = chunkmem.initialize(
+        model,
+        comm=comm,
+        config={
+            "device": {"type": "simulated", "capacity": "64MiB"},
+            "chunk": {"size": CHUNK},
+            "optimizer": {"lr": LR},
+            "zero": {"stage": 3, "timeout_s": 20},
+        },
+    )
+    rows = global_batches(comm.size, 4)[:, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
+    held = []
+    for row in rows:
+        engine.backward(engine(row[:, :-1], row[:, 1:]))
+        engine.step()
+        held.append(
+            sorted(c.layout.index for c in engine.residency.chunks.values()
+                   if c.kind is GATHERED and c.payload is not None)
+        )  # fmt: skip
+    ledger = engine.states.sharding.comm.ledger
+    gathers = [
+        ledger.by_phase(tag).get(("all_gather", "fwd"), {}).get("calls", 0) for tag in range(4)
+    ]
+    engine.state_dict()  # a save between steps reads shards, not the copy
+    engine.gatherer.end_cycle()  # what a checkpoint load does after restoring the shards
+    dropped = [
+        c for c in engine.residency.chunks.values() if c.kind is GATHERED and c.payload is not None
+    ]
+    return {"held": held, "gathers": gathers, "left_after_load": len(dropped)}
+
+
+def test_stage3_gathers_the_first_layout_in_the_step_for_the_next_forward() -> None:
+    """From the second step on (the trace replaying), the step gathers the layout the first
+    moment computes on after updating it; a step's forward gathers as often as before (one of
+    them now in the step before), and a checkpoint load drops the copy. The values: the
+    stage-3 tests against one process above."""
+    results = run_threads(carried_gathers, 2, timeout_s=30)
+    for result in results:
+        assert result["held"][0] == []  # recording: nothing carried
+        assert all(len(held) == 1 for held in result["held"][1:]), result["held"]
+        # Step 1's forward gathered everything itself and its step one more; later steps
+        # gather that one in the step before, as many in all.
+        first, *steady = result["gathers"][1:]
+        assert steady == [first - 1] * len(steady), result["gathers"]
+        assert result["left_after_load"] == 0

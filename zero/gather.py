@@ -183,6 +183,9 @@ class GatherForCompute(ParamGatherer):
         # Layout -> its slots recomputed in this backward whose own backward has not run yet
         # (see [Note: one gather per unit per backward]).
         self._awaiting_backward: dict[int, tuple[LayoutLife, set[int]]] = {}
+        # Layouts gathered in this step after their update, for the next cycle's first moment
+        # (see [Note: gathering ahead across the step]).
+        self._carried: set[int] = set()
         residency.materializers[GATHERED] = self
 
     def life(self, layout: ChunkLayout) -> LayoutLife:
@@ -326,18 +329,61 @@ class GatherForCompute(ParamGatherer):
             life.keep()
             self._release(life)
 
+    # ------------------------------------------------------------------ across the step
+    def after_update(self, layout: ChunkLayout) -> None:
+        """[Note: gathering ahead across the step] The next cycle's first moment has nothing
+        before it to hide its gather behind: its copy was gathered when the forward began,
+        with the link idle through the step. Once the step has updated a layout that moment
+        computes on, its gather starts right away, overlapping the rest of the step and
+        whatever the training loop does before the next forward (loading the next batch);
+        the copy is kept by ``end_cycle``, the only copy built from the new values. Every
+        rank updates the layouts in one order and decides by the trace alone, so all issue
+        it alike. It costs one gathered copy (and qwZ's wire buffer) from that update until
+        the first moment, which the estimate counts; a load of a checkpoint drops it with
+        the rest (``end_cycle`` keeps only what this step gathered)."""
+        if layout.index not in self._first_moment_layouts():
+            return
+        life = self.life(layout)
+        if life.state is not GatherState.SHARDED:
+            life.drop()  # built from the old values
+        self._before_carry(layout)
+        chunk = life.chunk
+        self.residency.make_room(chunk.nbytes, {chunk.id}, "prefetch", within="capacity")
+        life.unshard(Phase.FORWARD, async_op=True)
+        self._carried.add(layout.index)
+
+    def _first_moment_layouts(self) -> set[int]:
+        """The layouts whose gathered copies the trace's first moment computes on."""
+        tracer = self.tracer
+        if not tracer.replaying or tracer.replay is None or not len(tracer.replay):
+            return set()
+        chunks = self.residency.chunks
+        return {
+            chunks[chunk_id].layout.index
+            for chunk_id, on_device in tracer.replay.accesses[0].items()
+            if on_device and chunk_id in chunks and chunks[chunk_id].kind is GATHERED
+        }
+
+    def _before_carry(self, layout: ChunkLayout) -> None:
+        """What must go before ``layout`` is gathered from its updated shards (hpZ: its
+        secondary, which holds the old values)."""
+
     def end_cycle(self) -> None:
-        """Gathered copies are stale once the shards are updated."""
+        """Gathered copies are stale once the shards are updated, but for those this step
+        gathered after the update."""
+        carried, self._carried = self._carried, set()
         self._releasing.clear()
         self._awaiting_backward.clear()
         # Every gathered copy, also those packing built before any life knew the layout.
         for chunk in list(self.residency.chunks.values()):
-            if chunk.kind is GATHERED and chunk.payload is not None:
+            stale = chunk.kind is GATHERED and chunk.layout.index not in carried
+            if stale and chunk.payload is not None:
                 self.life(chunk.layout).drop()
 
     def cancel(self) -> None:
         """Wait for every gather in flight (the peers issued them too), then drop every
         gathered copy: the next cycle gathers afresh."""
+        self._carried.clear()  # an aborted step may have updated it alone
         in_flight = [
             life.chunk for life in self._lives.values() if life.state is GatherState.GATHERING
         ]
@@ -377,6 +423,9 @@ class GatherForComputeCosts(GathererCosts):
 
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    def carry(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
+        return self.gather(layout, capacity, device, label)
 
     def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
         device.add(GATHERED.value, -capacity * self.itemsize, label)

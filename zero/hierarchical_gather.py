@@ -30,7 +30,7 @@ rank's part again (``c/h`` elements, ``1/h`` of what the gather wrote), and
 
 from __future__ import annotations
 
-from chunkmem.chunk import Chunk
+from chunkmem.chunk import Chunk, ChunkLayout
 from chunkmem.costs import DeviceBytes, Traffic
 from chunkmem.residency import Residency
 from chunkmem.sharding import Waitable
@@ -101,6 +101,12 @@ class HierarchicalGather(GatherForCompute):
             start = secondary.start
             secondary.payload.copy_(gathered.payload[start : start + secondary.numel])
 
+    def _before_carry(self, layout: ChunkLayout) -> None:
+        """The layout's secondary copies old values: its next gather is a primary one."""
+        secondary = layout.chunks.get(HPZ_SECONDARY)
+        if secondary is not None and secondary.tier is not None:
+            self.residency.free_payload(secondary)
+
     def end_cycle(self) -> None:
         """The step changed the parameters: the secondaries copy old values."""
         super().end_cycle()
@@ -132,6 +138,12 @@ class HierarchicalGatherCosts(GatherForComputeCosts):
             return super().gather(layout, capacity, device, label)
         device.add(GATHERED.value, capacity * self.itemsize, label)
         return self.secondary.traffic(capacity, label.partition(":")[0])
+
+    def carry(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> list[Traffic]:
+        """The layout's secondary (old values) goes first; the gather is a primary one."""
+        kept = self._kept.pop(layout, 0)
+        device.add(HPZ_SECONDARY.value, -kept, label)
+        return super().carry(layout, capacity, device, label)
 
     def dropped(self, layout: int, capacity: int, device: DeviceBytes, label: str) -> None:
         if layout not in self._kept:

@@ -157,6 +157,11 @@ class _Simulation:
         )
         self.device = _Device()
         self.wire: WireTally | None = None  # where the steady step's collectives are counted
+        # ZeRO-3 gathers the first moment's layouts in the step, after their update, from the
+        # second cycle on (zero/gather.py, [Note: gathering ahead across the step]): the
+        # steady cycle starts with them gathered and gathers them again in its step.
+        self.carries = False
+        self.carried: set[int] = set()
         self.unit_layouts = [
             sorted({packed.layout_of[p] for p in params}) for params in trace.unit_params
         ]
@@ -211,9 +216,19 @@ class _Simulation:
             device.add(kind, nbytes, "start")
         device.add("optimizer states", state_bytes_on_device, "start")
         grads: set[int] = set()
+        if self.carries:  # gathered in the step before (its traffic is counted in this one's)
+            for layout in self.first_moment_layouts():
+                self.gatherer.carry(layout, self.capacity(layout), device, "start")
+            self.carried = self.first_moment_layouts()
         for micro in range(self.accumulation):
             self._micro_batch(grads, final=micro == self.accumulation - 1)
         return grads
+
+    def first_moment_layouts(self) -> set[int]:
+        """The trainable layouts the first moment computes on, gathered ahead across steps."""
+        if not self.gatherer.gathers_for_compute or not self.moments:
+            return set()
+        return set(self.unit_layouts[self.moments[0][1]]) & set(self.packed.trainable)
 
     def dynamic_at_step(self) -> int:
         """What placement counts beside the optimizer states when the first step chooses
@@ -231,7 +246,7 @@ class _Simulation:
 
     def _micro_batch(self, grads: set[int], final: bool) -> None:
         device, trace = self.device, self.trace
-        gathered: set[int] = set()
+        gathered, self.carried = set(self.carried), set()
         deferred: set[int] = set()
         awaiting: dict[int, set[int]] = {}  # layout -> units recomputed, backward not run yet
         arrived: Counter[int] = Counter()
@@ -378,6 +393,9 @@ class _Simulation:
         num_params = len(self.trace.numels)
         self._send(reducer.step_traffic(num_params))
         self._send(self.sharding.step_traffic(num_params))
+        if self.carries:  # updated first, then gathered while the other layouts update
+            for layout in sorted(self.first_moment_layouts()):
+                self._send(self.gatherer.carry(layout, self.capacity(layout), device, "step"))
         if self.mixed and self.states_on_device:
             largest = max(self.state_elements(i) for i in self.packed.trainable)
             workspace = min(largest, WORKSPACE_ELEMENTS) * 4
@@ -424,6 +442,7 @@ def estimate_memory(
     first = _Simulation(trace, packed, config, costs, states_on_device=bool(on_device))
     sim = _Simulation(trace, packed, config, costs, states_on_device=bool(on_device))
     sim.wire = wire
+    sim.carries = True
     device_state = sum(sim.state_elements(i) for i in on_device) * state_bytes_per_element(
         config, on_device=True
     )
