@@ -472,24 +472,31 @@ class Residency:
         self.evict_for(0, budget, protect=set(), reason="evict")
         if all_resident:
             return
+        reserved = self._still_coming_bytes()
         for ahead, chunk_id in self.placement.prefetch_targets(self.tracer):
             chunk = self.chunks.get(chunk_id)
             if chunk is None or chunk.tier is None or chunk.on_device or not chunk.movable():
                 continue  # on the device already, nothing to copy (gathered, freed), in use
-            if not self.room_ahead(chunk.nbytes, ahead):
+            if not self.room_ahead(chunk.nbytes, ahead, reserved):
                 break
             self.move(chunk, self.compute, "prefetch")
 
-    def room_ahead(self, nbytes: int, moments_ahead: int) -> bool:
-        """Whether ``nbytes`` more fit on the device without evicting anything, under the
-        budget from now until ``moments_ahead`` moments on, beside the chunks the current
-        moment still brings in (gradient chunks written by backward, chunks not fetched yet):
-        a prefetch must not be what they evict."""
-        reserved = sum(
+    def _still_coming_bytes(self) -> int:
+        """Bytes of the chunks the current moment still brings in (gradient chunks written by
+        backward, chunks not fetched yet)."""
+        return sum(
             self.chunks[c].nbytes
             for c, on_device in self.tracer.current_accesses().items()
             if on_device and c in self.chunks and not self.chunks[c].on_device
         )
+
+    def room_ahead(self, nbytes: int, moments_ahead: int, reserved: int | None = None) -> bool:
+        """Whether ``nbytes`` more fit on the device without evicting anything, under the
+        budget from now until ``moments_ahead`` moments on, beside what the current moment
+        still brings in (``reserved``, computed when not given): a prefetch must not be what
+        they evict."""
+        if reserved is None:
+            reserved = self._still_coming_bytes()
         window_budget = self.placement.chunk_budget(
             self.tracer, self.static_device_bytes(), moments_ahead=moments_ahead
         )

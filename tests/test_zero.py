@@ -57,15 +57,15 @@ def formula(stage: int, precision: str, elements: int, world: int) -> int:
     return (p + g + s) * elements // world
 
 
-def train_rank(
-    comm, stage: int, precision: str, accumulation: int, device: dict | None = None
-) -> dict:
-    """One rank: train STEPS steps on its slice; report state, bytes and volume. ``device`` is
-    the config's device section (default: a simulated device of 64 MiB)."""
+def new_engine(
+    comm, stage: int, precision: str = "fp32", accumulation: int = 1, device: dict | None = None
+) -> chunkmem.Engine:
+    """The GPT of CONFIG at ``stage`` on ``comm``; ``device`` is the config's device section
+    (default: a simulated device of 64 MiB)."""
     with one_rank_at_a_time(comm):
         torch.manual_seed(0)
         model = GPT(CONFIG)
-    engine = chunkmem.initialize(
+    return chunkmem.initialize(
         model,
         comm=comm,
         config={
@@ -77,6 +77,13 @@ def train_rank(
             "zero": {"stage": stage, "timeout_s": 20},
         },
     )
+
+
+def train_rank(
+    comm, stage: int, precision: str, accumulation: int, device: dict | None = None
+) -> dict:
+    """One rank: train STEPS steps on its slice; report state, bytes and volume."""
+    engine = new_engine(comm, stage, precision, accumulation, device)
     rows = global_batches(comm.size, STEPS * accumulation)
     local = rows[:, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
     measured_step = 3
@@ -415,19 +422,7 @@ def test_a_branch_one_rank_does_not_take_stays_in_step_bit_for_bit(stage: int) -
 def carried_gathers(comm) -> dict:
     """Stage 3, 4 steps: which layouts hold a gathered copy between steps, and where the first
     moment's gather was issued (the ledger's calls per phase tag)."""
-    with one_rank_at_a_time(comm):
-        torch.manual_seed(0)
-        model = GPT(CONFIG)
-    engine = chunkmem.initialize(
-        model,
-        comm=comm,
-        config={
-            "device": {"type": "simulated", "capacity": "64MiB"},
-            "chunk": {"size": CHUNK},
-            "optimizer": {"lr": LR},
-            "zero": {"stage": 3, "timeout_s": 20},
-        },
-    )
+    engine = new_engine(comm, 3)
     rows = global_batches(comm.size, 4)[:, comm.rank * LOCAL_BATCH : (comm.rank + 1) * LOCAL_BATCH]
     held = []
     for row in rows:
