@@ -17,6 +17,9 @@ from typing import Any
 import psutil
 import torch
 
+from benchmarks import staleness
+
+REPOSITORY = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
 # The CPU features that decide how fast bf16 runs: without AVX-512 BF16 or AMX, torch emulates
 # bf16 arithmetic through fp32 conversions, several times slower than fp32 itself.
@@ -58,7 +61,7 @@ def parse_args(
 def _git(*args: str) -> str | None:
     try:
         return subprocess.run(
-            ["git", *args], capture_output=True, text=True, check=True, cwd=Path(__file__).parent
+            ["git", *args], capture_output=True, text=True, check=True, cwd=REPOSITORY
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -98,17 +101,19 @@ def cpu_isa_overrides(env: Mapping[str, str] = os.environ) -> dict[str, str]:
 def environment(quick: bool) -> dict[str, Any]:
     """Where and when a result was measured: written into every results JSON.
 
-    `commit_dirty` is true when the work tree had uncommitted changes to tracked files other
-    than the results themselves, so the commit alone does not say which code ran.
+    `commit_dirty` is true when the work tree had uncommitted changes to tracked code that a
+    benchmark measures (the library and ``benchmarks/``, not its results), so the commit alone
+    does not say which code ran. Edits to docs, tests or the README leave it false: they run
+    no benchmark code.
     """
-    status = _git(
-        "status", "--porcelain", "--untracked-files=no", "--", ":(top)",
-        ":(top,exclude)benchmarks/results",
-    )  # fmt: skip
+    try:
+        dirty: bool | None = bool(staleness.uncommitted_measured_changes(REPOSITORY))
+    except (OSError, RuntimeError):
+        dirty = None  # not a git checkout, or no git: the commit is "unknown" too
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": _git("rev-parse", "HEAD") or "unknown",
-        "commit_dirty": None if status is None else bool(status),
+        "commit_dirty": dirty,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": {

@@ -119,6 +119,17 @@ def _git(root: Path, *args: str) -> str:
     return done.stdout.strip()
 
 
+def uncommitted_measured_changes(root: Path) -> list[str]:
+    """Tracked files under ``root`` whose uncommitted changes a benchmark run would measure:
+    the library and ``benchmarks/`` (not its results). Docs, tests and the README run no
+    benchmark code, so editing them during a run leaves its commit telling the truth."""
+    pathspecs = [f":(top){path}" for path in (*LIBRARY, BENCHMARKS)]
+    changed = _git(
+        root, "diff", "--name-only", "HEAD", "--", *pathspecs, f":(top,exclude){RESULTS}"
+    )
+    return changed.splitlines()
+
+
 def _resolve(root: Path, commit: str) -> str | None:
     try:
         return _git(root, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")

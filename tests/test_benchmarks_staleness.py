@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.staleness import benchmark_imports, benchmark_name, check, main, measured_paths
+from benchmarks.staleness import (
+    benchmark_imports,
+    benchmark_name,
+    check,
+    main,
+    measured_paths,
+    uncommitted_measured_changes,
+)
 
 
 def _git(root: Path, *args: str) -> str:
@@ -177,3 +184,12 @@ def test_main_says_why_outside_a_repository(
     _result(tmp_path, "fast.json", "abc")
     assert main(["--root", str(tmp_path)]) == 2
     assert "git rev-parse" in capsys.readouterr().err
+
+
+def test_uncommitted_changes_count_only_measured_code(repo: tuple[Path, str]) -> None:
+    root, _ = repo
+    _write(root, {"docs/benchmarks.md": "edited during a run\n"})
+    _result(root, "fast.json", None)  # an untracked result
+    assert uncommitted_measured_changes(root) == []
+    _write(root, {"zero/ring.py": "y = 2\n", "benchmarks/helper.py": "h = 2\n"})
+    assert uncommitted_measured_changes(root) == ["benchmarks/helper.py", "zero/ring.py"]
