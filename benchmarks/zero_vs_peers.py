@@ -2,8 +2,9 @@
 
 The same GPT (~54M parameters in the full run), the same data and fp32 AdamW (torch's fused
 kernel everywhere it is accepted) train on two CPU ranks of this machine, one framework at a
-time, in a forward then a reversed order (so load drifts hit all alike); each step is timed
-between barriers and the median over both rounds is reported, with the range.
+time, in four short rounds whose order alternates forward and reversed (so a load drift, which
+a long block would pin on whichever framework ran through it, hits all alike); each step is
+timed between barriers and the median over all rounds is reported, with the range.
 
 Transport and scheduling are separated: our engine moves gathers and reduce-scatters over
 point-to-point rings on gloo (2-3x faster than gloo's own collectives here), FSDP2 and
@@ -46,7 +47,7 @@ WORLD = 2
 # parameter differences of order lr per step whatever the implementation, drowning the
 # comparison with single-process training in noise.
 FULL = {"config": GPTConfig(vocab_size=8192, block_size=128, n_layer=10, n_head=10, n_embd=640, bias=False),
-        "local_batch": 2, "warmup": 2, "measure": 10, "rounds": 2}  # fmt: skip
+        "local_batch": 2, "warmup": 2, "measure": 5, "rounds": 4}  # fmt: skip
 QUICK = {"config": GPTConfig(vocab_size=2048, block_size=64, n_layer=4, n_head=4, n_embd=256, bias=False),
          "local_batch": 2, "warmup": 1, "measure": 2, "rounds": 1}  # fmt: skip
 OURS = ("chunkmem_z1", "chunkmem_z2", "chunkmem_z3")
