@@ -17,7 +17,7 @@ from typing import Any
 import psutil
 import torch
 
-from benchmarks import staleness
+from benchmarks import _measured_code, staleness
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results"
@@ -33,11 +33,23 @@ def _load_average() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
 
 
-# Every benchmark imports this module first, so its import is when the benchmark started.
+def _measured_code_dirty() -> bool | None:
+    """Uncommitted changes to code a benchmark runs (None: not a git checkout, or no git)."""
+    try:
+        return bool(staleness.uncommitted_measured_changes(REPOSITORY))
+    except (OSError, RuntimeError):
+        return None
+
+
+# Every benchmark imports this module first, so its import is when the benchmark started. The
+# commit is taken here, not when the results are written: a commit made during a long run
+# must not be credited with code the run loaded before it.
 _STARTED = {
     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     "monotonic": time.monotonic(),
     "load_average": _load_average(),
+    "commit": None,
+    "dirty": None,
 }
 
 
@@ -65,6 +77,27 @@ def _git(*args: str) -> str | None:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+_STARTED["commit"] = _git("rev-parse", "HEAD")
+_STARTED["dirty"] = _measured_code_dirty()
+
+
+def _changed_during_run(commit: str | None) -> bool | None:
+    """Whether code a benchmark runs changed during the run: uncommitted now, or committed
+    since ``commit`` (None when git cannot say)."""
+    head = _git("rev-parse", "HEAD")
+    if commit is None or head is None:
+        return None
+    if head != commit:
+        moved = _git(
+            "diff", "--name-only", commit, head, "--",
+            *(f":(top){path}" for path in (*staleness.LIBRARY, staleness.BENCHMARKS)),
+            f":(top,exclude){staleness.RESULTS}",
+        )  # fmt: skip
+        if moved is None or moved:
+            return True
+    return _measured_code_dirty()
 
 
 def cpu_model() -> str:
@@ -101,19 +134,20 @@ def cpu_isa_overrides(env: Mapping[str, str] = os.environ) -> dict[str, str]:
 def environment(quick: bool) -> dict[str, Any]:
     """Where and when a result was measured: written into every results JSON.
 
-    `commit_dirty` is true when the work tree had uncommitted changes to tracked code that a
-    benchmark measures (the library and ``benchmarks/``, not its results), so the commit alone
-    does not say which code ran. Edits to docs, tests or the README leave it false: they run
-    no benchmark code.
+    ``commit`` is HEAD when the run started. ``commit_dirty`` is true when code that a
+    benchmark runs (the library and ``benchmarks/``, not its results) had uncommitted changes
+    at the start or the end, or was committed to during the run: then the commit alone does not
+    say which code ran. Edits to docs, tests or the README leave it false: they run no benchmark
+    code. ``measured_code``: the repository's Python files the run loaded, its children's too
+    (:mod:`benchmarks._measured_code`): what ``make bench-check`` compares.
     """
-    try:
-        dirty: bool | None = bool(staleness.uncommitted_measured_changes(REPOSITORY))
-    except (OSError, RuntimeError):
-        dirty = None  # not a git checkout, or no git: the commit is "unknown" too
+    during = _changed_during_run(_STARTED["commit"])
+    flags = (_STARTED["dirty"], during)
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _git("rev-parse", "HEAD") or "unknown",
-        "commit_dirty": dirty,
+        "commit": _STARTED["commit"] or "unknown",
+        "commit_dirty": True if True in flags else None if None in flags else False,
+        "measured_code": _measured_code.measured_code(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": {

@@ -24,6 +24,7 @@ import torch
 
 import chunkmem
 from benchmarks._common import parse_args, print_table, write_results
+from benchmarks._measured_code import python_command
 from chunkmem.models.gpt import GPT, GPTConfig
 
 FULL = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=512)
@@ -77,7 +78,7 @@ def measure(model: GPTConfig, precision: str, directory: Path) -> dict:
     base, peak = map(
         int,
         subprocess.run(
-            [sys.executable, "-c", _CONSOLIDATE, str(path), str(out)],
+            python_command("-c", _CONSOLIDATE, str(path), str(out)),
             check=True,
             capture_output=True,
             text=True,

@@ -89,6 +89,7 @@ import torch
 
 import chunkmem
 from benchmarks._common import parse_args, print_table, write_results
+from benchmarks._measured_code import python_command
 from chunkmem.cli.data import stdlib_text
 from chunkmem.models.gpt import GPT, GPTConfig
 
@@ -366,8 +367,8 @@ def analyse(run: dict, clip: float) -> dict:
 def clipped_fraction(steps: int, clip: float) -> float:
     """How often clipping fires over ``chunkmem train``'s demo run (its grad norms)."""
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "chunkmem", "train", "--out", out, "--set",
-                   f"train.steps={steps}", "--set", f"gradient_clipping={clip}"]  # fmt: skip
+        command = python_command("-m", "chunkmem", "train", "--out", out, "--set",
+                                 f"train.steps={steps}", "--set", f"gradient_clipping={clip}")  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
         lines = Path(out, "metrics.jsonl").read_text().splitlines()

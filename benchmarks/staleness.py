@@ -4,7 +4,11 @@ A results file ``benchmarks/results/<name>.json`` (or ``<name>.quick.json``, or 
 ``<name>.<variant>.json``) measures the library (``chunkmem/``, ``zero/``, ``offload/``,
 ``kernels/``), its benchmark module ``benchmarks/<name>.py`` and every ``benchmarks`` module
 that module imports, directly or through another (``_common``, ``_timing``,
-``traffic_optimum``, ...). It is stale when that code differs between the commit recorded in
+``traffic_optimum``, ...). Where the result records the Python files its run loaded
+(``environment.measured_code``, written since that record began: :mod:`benchmarks._measured_code`),
+only those of the library's Python files count: a module the run never imported cannot have
+changed what it measured, so a change to the NVMe tier leaves a stage-2 timing fresh. The
+library's other files (C++ sources) always count. It is stale when that code differs between the commit recorded in
 its ``environment`` block and ``HEAD``, when it was measured with uncommitted changes
 (``commit_dirty``: the commit does not say which code ran), or when its commit is unknown
 here. Results files themselves, docs, tests and uncommitted edits in the work tree are not
@@ -111,6 +115,19 @@ def measured_paths(root: Path, name: str) -> list[str] | None:
     return [*LIBRARY, *modules]
 
 
+def loaded_or_not_python(changed: Sequence[str], loaded: Sequence[str]) -> list[str]:
+    """``changed`` less the library's Python files the run did not load
+    (``environment.measured_code``): a module it never imported cannot have changed what it
+    measured. The library's other files (the C++ sources its extensions build from) and the
+    benchmark modules still count."""
+    kept = set(loaded)
+    return [
+        path
+        for path in changed
+        if path in kept or not path.endswith(".py") or path.split("/", 1)[0] not in LIBRARY
+    ]
+
+
 def _git(root: Path, *args: str) -> str:
     """git's output; a failure raises with git's own message."""
     done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
@@ -161,9 +178,14 @@ def check(root: Path, result: Path) -> Finding:
     else:
         if not environment.get("cuda"):
             paths = [*paths, *DEVICE_ONLY]
+        loaded = environment.get("measured_code")
+        if loaded is not None:
+            paths = [*paths, *(p for p in loaded if p.split("/", 1)[0] == BENCHMARKS)]
         changed = _git(root, "diff", "--name-only", full, "HEAD", "--", *paths).splitlines()
+        if loaded is not None:
+            changed = loaded_or_not_python(changed, loaded)
         if changed:
-            last = _git(root, "log", "-1", "--format=%h %cs", "HEAD", "--", *paths)
+            last = _git(root, "log", "-1", "--format=%h %cs", "HEAD", "--", *changed)
             shown = ", ".join(changed[:3]) + (
                 f" and {len(changed) - 3} more" if changed[3:] else ""
             )

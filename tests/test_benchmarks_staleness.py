@@ -40,11 +40,18 @@ def _commit(root: Path, files: dict[str, str], message: str = "change") -> str:
 
 
 def _result(
-    root: Path, name: str, commit: str | None, dirty: bool | None = False, cuda: str | None = None
+    root: Path,
+    name: str,
+    commit: str | None,
+    dirty: bool | None = False,
+    cuda: str | None = None,
+    loaded: list[str] | None = None,
 ) -> Path:
     environment = {
         "commit": commit, "commit_dirty": dirty, "date": "2026-11-26T00:00:00+00:00", "cuda": cuda,
     }  # fmt: skip
+    if loaded is not None:
+        environment["measured_code"] = loaded
     path = root / "benchmarks" / "results" / name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"key": 1.0, "environment": environment}))
@@ -193,3 +200,34 @@ def test_uncommitted_changes_count_only_measured_code(repo: tuple[Path, str]) ->
     assert uncommitted_measured_changes(root) == []
     _write(root, {"zero/ring.py": "y = 2\n", "benchmarks/helper.py": "h = 2\n"})
     assert uncommitted_measured_changes(root) == ["benchmarks/helper.py", "zero/ring.py"]
+
+
+def test_a_library_module_the_run_did_not_load_leaves_it_fresh(repo: tuple[Path, str]) -> None:
+    root, first = repo
+    _commit(root, {"zero/ring.py": "y = 2\n"})
+    loaded_engine_only = ["chunkmem/engine.py", "benchmarks/fast.py"]
+    assert not check(root, _result(root, "fast.json", first, loaded=loaded_engine_only)).stale
+    loaded_ring_too = [*loaded_engine_only, "zero/ring.py"]
+    finding = check(root, _result(root, "fast.json", first, loaded=loaded_ring_too))
+    assert finding.stale and "zero/ring.py" in finding.reasons[0]
+    # Without a record, the whole library counts (results from before the record began).
+    assert check(root, _result(root, "fast.json", first)).stale
+
+
+def test_library_sources_other_than_python_count_whatever_was_loaded(
+    repo: tuple[Path, str],
+) -> None:
+    root, first = repo
+    _commit(root, {"kernels/csrc/quant.cpp": "// faster\n"})
+    finding = check(root, _result(root, "fast.json", first, loaded=["chunkmem/engine.py"]))
+    assert finding.stale and "kernels/csrc/quant.cpp" in finding.reasons[0]
+
+
+def test_a_loaded_benchmark_module_outside_the_static_imports_counts(
+    repo: tuple[Path, str],
+) -> None:
+    root, first = repo
+    _commit(root, {"benchmarks/other.py": "z = 2\n"})
+    assert not check(root, _result(root, "fast.json", first, loaded=[])).stale
+    finding = check(root, _result(root, "fast.json", first, loaded=["benchmarks/other.py"]))
+    assert finding.stale and "benchmarks/other.py" in finding.reasons[0]
