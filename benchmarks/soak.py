@@ -6,7 +6,8 @@ event lists at their default cap. Batches are 2 x 32 tokens, smaller than the de
 thousands of steps fit in the time: what is measured is growth per step, not per token. RSS is
 sampled (after ``gc.collect()``) every ``interval`` steps; the growth after warm-up is the last
 sample minus the one at the end of warm-up. ZeRO-2 runs the same loop on 2 gloo ranks (each
-rank its own slice) and reports the larger growth of the two.
+rank its own slice), at the same time as the one-process run, and reports the larger growth of
+the two ranks.
 
 Full: 10,000 steps, warm-up 1,000, a sample every 500. --quick: 1,000 steps, warm-up 500 (by
 then the report's event lists are full), a sample every 100: a few minutes rather than one,
@@ -101,9 +102,21 @@ def zero2_rank(rank: int, setup: dict, store: str, out: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args("soak", __doc__.splitlines()[0], argv)
     setup = QUICK if args.quick else FULL
-    single = soak(setup, stage=0, rank=0, world=1)
     with tempfile.TemporaryDirectory() as work:
-        mp.spawn(zero2_rank, args=(setup, f"{work}/store", f"{work}/out"), nprocs=2, join=True)
+        # The ZeRO-2 ranks soak while this process soaks alone: each measures its own RSS,
+        # which another process's work does not change, and the run takes the longer half's
+        # time rather than the sum.
+        zero2 = mp.spawn(
+            zero2_rank, args=(setup, f"{work}/store", f"{work}/out"), nprocs=2, join=False
+        )
+        try:
+            single = soak(setup, stage=0, rank=0, world=1)
+        except BaseException:
+            for process in zero2.processes:
+                process.terminate()
+            raise
+        while not zero2.join():  # raises, naming the rank, if one failed
+            pass
         ranks = [json.loads(Path(f"{work}/out.{rank}").read_text()) for rank in range(2)]
     growth = growth_after_warmup(single["rss_samples"], setup["warmup"])
     zero2 = [growth_after_warmup(r["rss_samples"], setup["warmup"]) for r in ranks]
