@@ -32,6 +32,11 @@ training (``gpu=False``: the simulated device, no host staging of a real device)
   (``benchmarks._wire_counters``); needs root and iproute2, otherwise reported as skipped.
   Its ranks may take ``SLACK`` (4) times what this run's loopback launch of the same world
   (2 nodes x 2, the ZeRO++ cases) took, no constant.
+
+Phases: the one-process cases, one launch per world shape, then the veth pair. Each rewrites
+the results file as it ends (the keys over the cases measured so far), so a failure later
+keeps what was measured; ``details.phases`` says how each ended and why, and the exit status
+is 1 unless every phase completed.
 - ``max_rel_error_deepspeed_formula_vs_measured``: DeepSpeed's own estimators (deepspeed
   0.19.8), computed here from their formulas, against the measured peak *model-state* bytes
   on the device (their formula has no term for activations or buffers), over the grid:
@@ -63,7 +68,8 @@ import torch
 from torch import nn
 
 from benchmarks import _wire_counters
-from benchmarks._common import parse_args, print_table, write_results
+from benchmarks._common import parse_args, print_table
+from benchmarks.zeropp import Run, Skipped
 
 CAPACITY = 8 * 2**30  # simulated: nothing has to move
 STEPS = 3
@@ -348,25 +354,29 @@ def relative(predicted: int, measured: int) -> float:
     return abs(predicted - measured) / measured if measured else float(predicted != 0)
 
 
-def measure_all(
-    todo: list[dict[str, Any]],
-) -> tuple[dict[str, dict], dict[tuple[int, int], float]]:
-    """Every case: one-process ones here (the allocator profiled where it sees every tier),
-    the others in one launch per world shape; and each launch's seconds, by (world, node)."""
-    measured: dict[str, dict] = {}
+def shape_phase(world: int, node: int) -> str:
+    """The phase name of one launch: ``ranks_2``, ``ranks_4_as_2x2``."""
+    return f"ranks_{world}" + (f"_as_{world // node}x{node}" if node else "")
+
+
+def measure_in_phases(run: Run, todo: list[dict[str, Any]]) -> dict[tuple[int, int], float]:
+    """Every case, each group a phase whose rows join ``run.details["cases"]`` as it ends:
+    one-process ones here (the allocator profiled where it sees every tier), the others in one
+    launch per world shape. Returns each launch's seconds, by (world, node)."""
+    rows = run.details["cases"]
+    with run.phase("one_process"), tempfile.TemporaryDirectory() as scratch:
+        for case in (c for c in todo if c["world"] == 1):
+            rows.append(compare(case, measure(case, scratch, case["offload"] != "nvme")))
     launch_s: dict[tuple[int, int], float] = {}
-    with tempfile.TemporaryDirectory() as scratch:
-        for case in todo:
-            if case["world"] == 1:
-                measured[label(case)] = measure(case, scratch, case["offload"] != "nvme")
     shapes = sorted({(c["world"], c.get("node") or 0) for c in todo if c["world"] > 1})
     for world, node in shapes:
-        group = [c for c in todo if c["world"] == world and (c.get("node") or 0) == node]
-        started = time.monotonic()
-        results = measure_distributed(group, world, node or None)
-        launch_s[world, node] = time.monotonic() - started
-        measured.update(zip(map(label, group), results, strict=True))
-    return measured, launch_s
+        with run.phase(shape_phase(world, node)):
+            group = [c for c in todo if c["world"] == world and (c.get("node") or 0) == node]
+            started = time.monotonic()
+            results = measure_distributed(group, world, node or None)
+            launch_s[world, node] = time.monotonic() - started
+            rows.extend(compare(c, got) for c, got in zip(group, results, strict=True))
+    return launch_s
 
 
 def compare(case: dict[str, Any], got: dict[str, int]) -> dict[str, Any]:
@@ -400,12 +410,32 @@ def compare(case: dict[str, Any], got: dict[str, int]) -> dict[str, Any]:
     return row
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args("estimate", __doc__.splitlines()[0], argv)
-    setup = QUICK if args.quick else FULL
-    todo = cases(setup)
-    measured, launch_s = measure_all(todo)
-    details = [compare(case, measured[label(case)]) for case in todo]
+def summarize(details: dict[str, Any]) -> dict[str, Any]:
+    """The keys from the cases measured so far (None where none was)."""
+    rows = details["cases"]
+
+    def worst(values: list[float]) -> float | None:
+        return max(values) if values else None
+
+    errors = {
+        key: worst([row["rel_error"][key] for row in rows])
+        for key in ("device_peak", "host_peak", "nvme_peak", "wire", "cross_node")
+    }
+    ledger_vs_allocator = [
+        row["ledger_vs_allocator"] for row in rows if "ledger_vs_allocator" in row
+    ]
+    return {
+        "max_rel_error_estimate_vs_measured": worst([e for e in errors.values() if e is not None]),
+        "ledger_vs_allocator_peak_ratio": min(ledger_vs_allocator) if ledger_vs_allocator else None,
+        "wire_bytes_ledger_vs_veth_ratio": (details.get("veth") or {}).get("ledger_vs_veth_ratio"),
+        "max_rel_error_deepspeed_formula_vs_measured": worst(
+            [row["rel_error_deepspeed_model_states"] for row in rows if row["family"] == "grid"]
+        ),
+        **{f"max_rel_error_estimate_{key}": value for key, value in errors.items()},
+    }
+
+
+def print_cases(rows: list[dict[str, Any]]) -> None:
     print_table(
         "per rank: peak device, host and NVMe bytes, wire bytes per step (bf16); relative errors",
         [
@@ -435,34 +465,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                 row.get("rel_error_deepspeed_model_states", "-"),
                 row.get("ledger_vs_allocator", "-"),
             ]  # fmt: skip
-            for row in details
+            for row in rows
         ],
     )
-    veth = _wire_counters.measure_cluster(
-        ZEROPP["qwZ+hpZ+qgZ"], setup["sizes"][-1], setup["batches"][0],
-        launch_s[_wire_counters.WORLD, _wire_counters.PER_NODE],
-    )  # fmt: skip
-    worst = {
-        key: max(row["rel_error"][key] for row in details)
-        for key in ("device_peak", "host_peak", "nvme_peak", "wire", "cross_node")
-    }
-    metrics = {
-        "max_rel_error_estimate_vs_measured": max(worst.values()),
-        "ledger_vs_allocator_peak_ratio": min(
-            row["ledger_vs_allocator"] for row in details if "ledger_vs_allocator" in row
-        ),
-        "wire_bytes_ledger_vs_veth_ratio": veth.get("ledger_vs_veth_ratio"),
-        "max_rel_error_deepspeed_formula_vs_measured": max(
-            row["rel_error_deepspeed_model_states"] for row in details if row["family"] == "grid"
-        ),
-        **{f"max_rel_error_estimate_{key}": value for key, value in worst.items()},
-    }
-    for key, value in metrics.items():
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Each phase rewrites the results file as it ends, so a later failure keeps what was
+    measured; ``details.phases`` says how each ended, and the exit status is 1 unless all
+    did."""
+    args = parse_args("estimate", __doc__.splitlines()[0], argv)
+    setup = QUICK if args.quick else FULL
+    details: dict[str, Any] = {"phases": {}, "cases": [], "capacity": CAPACITY, "veth": None}
+    run = Run(args.json, args.quick, details, summarize=summarize)
+    launch_s = measure_in_phases(run, cases(setup))
+    print_cases(details["cases"])
+    with run.phase("veth"):
+        shape = (_wire_counters.WORLD, _wire_counters.PER_NODE)
+        if shape not in launch_s:
+            raise Skipped(f"needs the {shape_phase(*shape)} phase, which did not complete")
+        veth = details["veth"] = _wire_counters.measure_cluster(
+            ZEROPP["qwZ+hpZ+qgZ"], setup["sizes"][-1], setup["batches"][0], launch_s[shape]
+        )
+        if "skipped" in veth:
+            raise Skipped(veth["skipped"])
+        if "failed" in veth:
+            raise RuntimeError(veth["failed"])
+    for key, value in summarize(details).items():
         print(f"{key}: {value}")
-    details_out = {"cases": details, "capacity": CAPACITY, "veth": veth}
-    path = write_results(args.json, metrics, details_out, args.quick)
-    print(f"results: {path}")
-    return 0
+    print(f"results: {args.json}")
+    return 0 if run.succeeded() else 1
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """benchmarks/estimate's own measurement of the real allocator: the peak of live bytes it reads
-from torch's profiler must be what was allocated (the key it feeds is only as good as this)."""
+from torch's profiler must be what was allocated (the key it feeds is only as good as this);
+and its keys over the cases its completed phases measured."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.estimate import allocator_peak, allocator_profiler
+from benchmarks.estimate import allocator_peak, allocator_profiler, shape_phase, summarize
 
 MIB = 1 << 20
 
@@ -29,3 +30,34 @@ def test_bytes_freed_before_more_are_allocated_do_not_add_up() -> None:
             block = torch.empty(2 * MIB, dtype=torch.uint8)
             del block
     assert 2 * MIB <= allocator_peak(profiler) < 2 * MIB + 64 * 1024
+
+
+def _row(family: str, device: float, wire: float, deepspeed: float | None = None) -> dict:
+    errors = {"device_peak": device, "host_peak": 0.0, "nvme_peak": 0.0, "wire": wire,
+              "cross_node": 0.0}  # fmt: skip
+    row = {"family": family, "rel_error": errors}
+    if deepspeed is not None:
+        row["rel_error_deepspeed_model_states"] = deepspeed
+        row["ledger_vs_allocator"] = 1.0 - device
+    return row
+
+
+def test_keys_are_none_until_a_phase_measured_cases() -> None:
+    keys = summarize({"cases": [], "veth": None})
+    assert keys["max_rel_error_estimate_vs_measured"] is None
+    assert all(value is None for value in keys.values())
+
+
+def test_keys_are_the_worst_over_the_cases_measured_so_far() -> None:
+    rows = [_row("grid", 0.01, 0.0, deepspeed=0.5), _row("zeropp", 0.002, 0.03)]
+    keys = summarize({"cases": rows, "veth": {"failed": "deadline"}})
+    assert keys["max_rel_error_estimate_vs_measured"] == 0.03
+    assert keys["max_rel_error_estimate_device_peak"] == 0.01
+    assert keys["max_rel_error_deepspeed_formula_vs_measured"] == 0.5
+    assert keys["ledger_vs_allocator_peak_ratio"] == 0.99
+    assert keys["wire_bytes_ledger_vs_veth_ratio"] is None
+
+
+def test_a_launch_phase_names_its_world_and_nodes() -> None:
+    assert shape_phase(2, 0) == "ranks_2"
+    assert shape_phase(4, 2) == "ranks_4_as_2x2"
