@@ -37,6 +37,7 @@ from chunkmem.costs import Traffic
 from kernels.quantized import data_nbytes, num_groups
 from zero.comm import Communicator, Handle
 from zero.comm_ledger import collective_traffic
+from zero.stage_guard import StageGuard
 from zero.topology import NodeGroups, Topology
 from zero.wire import WireBuffers, aligned, carve, packed_nbytes, packed_view, wire_parts
 
@@ -115,6 +116,7 @@ class _QgzWork:
             self._release()
             raise
         self._inter: Handle | None = None
+        self._guard = StageGuard("a qgZ reduce-scatter")
 
     def _exchange(self, send, received, which: str) -> Handle:
         owner = self._owner
@@ -125,11 +127,14 @@ class _QgzWork:
             )
 
     def _reduce_in_node(self) -> None:
-        """Steps 3-4: the node's sum of this local rank's slices, then the inter-node exchange."""
-        self._intra.wait()
-        self._intra = None
-        kernels.dequant_reduce_requant(self._received.split(self._per_node), out=self._partial)
-        self._inter = self._exchange(self._partial, self._sums, "inter")
+        """Steps 3-4: the node's sum of this local rank's slices, then the inter-node exchange
+        (once: a failure is kept for ``wait``)."""
+        intra, self._intra = self._intra, None
+        assert intra is not None
+        with self._guard.stage("intra-node exchange and node sum"):
+            intra.wait()
+            kernels.dequant_reduce_requant(self._received.split(self._per_node), out=self._partial)
+            self._inter = self._exchange(self._partial, self._sums, "inter")
 
     def advance(self) -> None:
         """Steps 3-4 now (:class:`zero.reduce.Staged`): the inter-node exchange overlaps
@@ -138,12 +143,13 @@ class _QgzWork:
             self._reduce_in_node()
 
     def is_completed(self) -> bool:
-        if self._buffer is None:
-            return True
+        if self._buffer is None or (self._inter is None and self._intra is None):
+            return True  # finished, or failed (``wait`` raises it)
         if self._intra is not None:
             if not self._intra.is_completed():
                 return False
             self._reduce_in_node()
+        assert self._inter is not None
         return self._inter.is_completed()
 
     def wait(self) -> None:
@@ -153,6 +159,8 @@ class _QgzWork:
         try:
             if self._intra is not None:
                 self._reduce_in_node()
+            self._guard.check()
+            assert self._inter is not None
             self._inter.wait()
             kernels.dequant_reduce(self._sums.split(self._nodes), out=self._result)
             if self._result is not self._shard:

@@ -33,6 +33,7 @@ from zero.comm import Communicator, Handle
 from zero.comm_ledger import collective_traffic
 from zero.compression.residuals import Residuals
 from zero.kinds import EF_RESIDUAL
+from zero.stage_guard import StageGuard
 from zero.topology import Topology
 from zero.wire import WireBuffers, aligned
 
@@ -169,6 +170,7 @@ class _PowerSGDWork:
         self._buffer: torch.Tensor | None = owner.wire.take(aligned(p_bytes) + 4 * plan.q_numel)
         self._residual: Chunk | None = None
         self._second: Handle | None = None
+        self._guard = StageGuard("a PowerSGD reduce-scatter")
         try:
             self._first_values = self._buffer[:p_bytes].view(torch.float32)
             self._q_values = self._buffer[aligned(p_bytes) : aligned(p_bytes) + 4 * plan.q_numel]
@@ -210,17 +212,19 @@ class _PowerSGDWork:
             return owner.comm.all_reduce(values, op="sum", async_op=True)
 
     def _launch_second(self) -> None:
-        """Step 3 and the residual of step 4, then the ``Q`` all-reduce."""
-        assert self._first is not None
-        self._first.wait()
-        self._first = None
-        for m, p, q in zip(self._ms, self._ps, self._qs, strict=True):
-            orthogonalize(p)
-            torch.matmul(m.t(), p, out=q)
-            m.sub_(p @ q.t())  # this rank's residual: what its own approximation left out
-            m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        if self._qs:
-            self._second = self._all_reduce(self._q_values)
+        """Step 3 and the residual of step 4, then the ``Q`` all-reduce (once: a failure is
+        kept for ``wait``)."""
+        first, self._first = self._first, None
+        assert first is not None
+        with self._guard.stage("P all-reduce and orthogonalization"):
+            first.wait()
+            for m, p, q in zip(self._ms, self._ps, self._qs, strict=True):
+                orthogonalize(p)
+                torch.matmul(m.t(), p, out=q)
+                m.sub_(p @ q.t())  # this rank's residual: what its own approximation left out
+                m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            if self._qs:
+                self._second = self._all_reduce(self._q_values)
 
     def advance(self) -> None:
         """Steps 3-4 now (:class:`zero.reduce.Staged`): the ``Q`` all-reduce overlaps what
@@ -238,6 +242,7 @@ class _PowerSGDWork:
         try:
             if self._first is not None:
                 self._launch_second()
+            self._guard.check()
             if self._second is not None:
                 self._second.wait()
             self._write_shard()
