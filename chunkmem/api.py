@@ -45,8 +45,6 @@ from chunkmem.sizing import (
 from chunkmem.strategies import build_strategy
 from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
-from offload.nvme import NvmeTier
-from offload.overlap import attach as attach_overlap
 
 if TYPE_CHECKING:
     from zero.comm import Communicator
@@ -198,7 +196,13 @@ def initialize(
     activations = ActivationCounter(device.meter, residency)
     threads = None if offload.optimizer_threads == "auto" else offload.optimizer_threads
     adam = ChunkAdam(UpdateBuilder(manager, states, param_groups, group_of, decoupled, threads))
-    attach_overlap(config, adam, reducer)
+    if config.offload.overlap:
+        # Imported only when asked for, as the NVMe tier below: a run without them does not
+        # load offload/, and a benchmark result that did not load a module is not staled by
+        # a change to it (benchmarks/staleness.py).
+        from offload.overlap import attach as attach_overlap
+
+        attach_overlap(config, adam, reducer)
     if lr_scheduler is None:
         lr_scheduler = build_scheduler(config.scheduler, adam)
     return Engine(
@@ -252,6 +256,8 @@ def _tiers(config: Config, device, capacity: int) -> TierSet:
     if config.offload.optimizer == "nvme":
         nvme = config.offload.nvme
         assert nvme.path is not None  # the config checks it
+        from offload.nvme import NvmeTier
+
         others.append(NvmeTier(nvme.path, nvme.block_size, nvme.io_threads))
     return TierSet(DeviceTier(device, capacity), HostTier(device, host_capacity), *others)
 
@@ -285,6 +291,8 @@ def _reserve_offload(
             # Whole groups, rounded up, and one more that may be in flight at a step.
             group = chunk_size // world_size * per_element
             offloaded = math.ceil(config.offload.optimizer_ratio * elements * per_element)
+            from offload.nvme import NvmeTier
+
             nvme = tiers[config.offload.optimizer]
             assert isinstance(nvme, NvmeTier)
             nvme.check_room(
