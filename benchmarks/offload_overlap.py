@@ -68,7 +68,12 @@ The keys:
 - ``nvme_update_hidden_fraction_clipped``: states on the NVMe tier, clipped;
 - ``clipped_step_fraction``: how often clipping fires in practice: the 300-step
   ``chunkmem train`` demo run at clip 1.0 (and 0.5 beside it);
-- ``step_time_ratio_overlapped_vs_serial``: the plain runs' ratio, at the stated regime.
+- ``step_time_ratio_overlapped_vs_serial``: the plain runs' ratio, at the stated regime;
+- ``update_hidden_fraction_machine_bound``: 1 / the compute slowdown beside a busy host core
+  (measured in plain torch, not by the engine): the most any overlap can hide on this machine.
+  While the host updates for U seconds, forward and backward slowed s-fold progress only U / s,
+  so the step is at least T_fwd+bwd + U (1 - 1/s) and the hidden share at most 1/s. On a GPU
+  and its host s is 1 and the bound is 1; null where the run is not pinned to two cores.
 """
 
 from __future__ import annotations
@@ -431,6 +436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "nvme_update_hidden_fraction_clipped": on_nvme["update_hidden_fraction"],
         "clipped_step_fraction": demo[1.0],
         "step_time_ratio_overlapped_vs_serial": plain["step_time_ratio"]["median"],
+        "update_hidden_fraction_machine_bound": (
+            1.0 / interference["ratio"] if interference is not None else None
+        ),
     }
     print(
         f"GPT {N_LAYER}x512, {precision}, {block_elements(model):,} elements a chunk (a block), {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
@@ -463,7 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if interference is not None:
         print(
             f"\nthe compute core's forward and backward beside a busy host core: "
-            f"{interference['ratio']:.2f}x alone (a GPU does not slow down so)"
+            f"{interference['ratio']:.2f}x alone (a GPU does not slow down so): no overlap "
+            f"can hide more than {1.0 / interference['ratio']:.2f} of the update here"
         )
     print(f"\n{json.dumps(metrics, indent=1)}\nbit-identical: {identical}")
     details = {
