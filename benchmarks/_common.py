@@ -90,11 +90,7 @@ def _changed_during_run(commit: str | None) -> bool | None:
     if commit is None or head is None:
         return None
     if head != commit:
-        moved = _git(
-            "diff", "--name-only", commit, head, "--",
-            *(f":(top){path}" for path in (*staleness.LIBRARY, staleness.BENCHMARKS)),
-            f":(top,exclude){staleness.RESULTS}",
-        )  # fmt: skip
+        moved = _git("diff", "--name-only", commit, head, "--", *staleness.MEASURED)
         if moved is None or moved:
             return True
     return _measured_code_dirty()

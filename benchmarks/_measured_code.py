@@ -11,7 +11,8 @@ How: the first process of a run that imports this module (the benchmark's) makes
 and names it in ``CHUNKMEM_BENCH_CODE_RECORD``, which children inherit; every child that imports
 it writes the files it loaded there when it exits (``atexit`` and multiprocessing's own exit
 hook, since a multiprocessing child leaves through ``os._exit``). A Python child that imports
-no ``benchmarks`` module runs through this module (:func:`python_command`). A child killed
+no ``benchmarks`` module runs through ``benchmarks._recorded_child`` (:func:`python_command`),
+which imports this one. A child killed
 before it exits leaves no record; the rank beside it, which ran the same code, usually does.
 """
 
@@ -20,17 +21,17 @@ from __future__ import annotations
 import atexit
 import multiprocessing.util
 import os
-import runpy
 import shutil
 import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from benchmarks.staleness import BENCHMARKS, LIBRARY
+
 VARIABLE = "CHUNKMEM_BENCH_CODE_RECORD"
 REPOSITORY = Path(__file__).resolve().parent.parent
-# Where the code a benchmark measures lives (benchmarks.staleness.LIBRARY and the benchmarks).
-PACKAGES = ("chunkmem", "zero", "offload", "kernels", "benchmarks")
+PACKAGES = (*LIBRARY, BENCHMARKS)  # where the code a benchmark measures lives
 
 
 def loaded_files(modules: Iterable[object] | None = None) -> set[str]:
@@ -94,22 +95,4 @@ def measured_code() -> list[str]:
 def python_command(*arguments: str) -> list[str]:
     """``python ARGUMENTS`` (``-m module ...`` or ``-c code ...``) whose loaded files join the
     run's record: for a child that imports no ``benchmarks`` module."""
-    return [sys.executable, "-m", "benchmarks._measured_code", *arguments]
-
-
-def main(arguments: list[str]) -> None:
-    """Run ``-m module args`` or ``-c code args`` as python would, recording at exit."""
-    if len(arguments) < 2 or arguments[0] not in ("-m", "-c"):
-        raise SystemExit(f"usage: python -m benchmarks._measured_code (-m MODULE | -c CODE) ...; "
-                         f"got {arguments}")  # fmt: skip
-    flag, target, rest = arguments[0], arguments[1], arguments[2:]
-    if flag == "-m":
-        sys.argv = [target, *rest]
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = ["-c", *rest]
-        exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
+    return [sys.executable, "-m", "benchmarks._recorded_child", *arguments]

@@ -37,6 +37,8 @@ LIBRARY = ("chunkmem", "zero", "offload", "kernels")
 DEVICE_ONLY = (":(exclude,glob)**/*.cu", ":(exclude,glob)**/*.cuh")
 BENCHMARKS = "benchmarks"
 RESULTS = f"{BENCHMARKS}/results"
+# What a benchmark run measures, as git pathspecs: the library and the benchmarks, not results.
+MEASURED = (*(f":(top){path}" for path in (*LIBRARY, BENCHMARKS)), f":(top,exclude){RESULTS}")
 
 
 @dataclass
@@ -140,11 +142,7 @@ def uncommitted_measured_changes(root: Path) -> list[str]:
     """Tracked files under ``root`` whose uncommitted changes a benchmark run would measure:
     the library and ``benchmarks/`` (not its results). Docs, tests and the README run no
     benchmark code, so editing them during a run leaves its commit telling the truth."""
-    pathspecs = [f":(top){path}" for path in (*LIBRARY, BENCHMARKS)]
-    changed = _git(
-        root, "diff", "--name-only", "HEAD", "--", *pathspecs, f":(top,exclude){RESULTS}"
-    )
-    return changed.splitlines()
+    return _git(root, "diff", "--name-only", "HEAD", "--", *MEASURED).splitlines()
 
 
 def _resolve(root: Path, commit: str) -> str | None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import _measured_code
+from benchmarks import _recorded_child
 from benchmarks._measured_code import REPOSITORY, VARIABLE, loaded_files
 
 _RUN = """
@@ -76,4 +76,4 @@ def test_a_childs_imports_join_the_run_record(how: str, tmp_path: Path) -> None:
 
 def test_python_command_refuses_what_it_cannot_run() -> None:
     with pytest.raises(SystemExit, match="usage"):
-        _measured_code.main(["script.py"])
+        _recorded_child.main(["script.py"])
