@@ -88,7 +88,7 @@ class Movement(enum.Enum):
 
     STAYS = "stays"  # one process, everything fits on the device
     BETWEEN_RANKS = "between ranks"  # ZeRO 1-2's collectives only: every tier has room
-    GATHERED = "gathered"  # ZeRO-3: gathered for compute, so a chunk's size is a memory peak
+    FOR_COMPUTE = "for compute"  # ZeRO-3: gathered to compute on, its size a memory peak
     BETWEEN_TIERS = "between tiers"  # offloaded states, or states that do not fit the device
 
 
@@ -109,7 +109,7 @@ def chunks_move(
         return Movement.BETWEEN_TIERS
     if not sharded:
         return Movement.STAYS
-    return Movement.GATHERED if config.zero.stage >= 3 else Movement.BETWEEN_RANKS
+    return Movement.FOR_COMPUTE if config.zero.stage >= 3 else Movement.BETWEEN_RANKS
 
 
 def masters_start_on_device(

@@ -51,7 +51,7 @@ def test_zero_3_keeps_gathering_granularity() -> None:
     """At ZeRO-3 a chunk is gathered for compute: the 1/16 rule stands."""
     numels = _demo_numels()
     movement, sizes = _sizes(numels, stage=3)
-    assert movement is Movement.GATHERED
+    assert movement is Movement.FOR_COMPUTE
     assert sizes.trainable.size < sum(numels) // 4
 
 
