@@ -139,6 +139,62 @@ def test_collectives_are_exact_on_four_ranks_and_on_two_rank_subgroups() -> None
     assert run_ranks(_collectives_on_world_and_pairs, 4) == [None] * 4
 
 
+def _ring_all_reduces(comm: Communicator) -> list[int]:
+    """Large host sums run as rings (counted by wrapping the ring class), small ones and other
+    ops as gloo's builtin; two rings in flight at once, waited for in reverse order."""
+    import zero.torch_transport as transport
+
+    launched: list[int] = []
+    ring = transport.RingAllReduceWork
+
+    def counted(tensor: torch.Tensor, *args: object) -> object:
+        launched.append(tensor.numel())
+        return ring(tensor, *args)
+
+    transport.RingAllReduceWork = counted  # type: ignore[assignment,misc]
+    try:
+        size, me = comm.size, comm.rank
+        numel = transport.RING_ALL_REDUCE_MIN_NUMEL * 2  # a multiple of 2 and 4
+        exact = _pattern(me, numel, torch.float32)
+        noisy = torch.randn(numel, generator=torch.Generator().manual_seed(me))
+        uneven = _pattern(me, numel + 1, torch.float32)
+        handles = [
+            comm.all_reduce(exact, async_op=True),
+            comm.all_reduce(noisy, async_op=True),
+        ]
+        for handle in reversed(handles):
+            handle.wait()
+        comm.all_reduce(uneven)
+        comm.all_reduce(_pattern(me, numel, torch.float32), op="max")
+        assert torch.equal(
+            exact, _reduced("sum", [_pattern(i, numel, torch.float32) for i in range(size)])
+        )
+        assert torch.equal(
+            uneven, _reduced("sum", [_pattern(i, numel + 1, torch.float32) for i in range(size)])
+        )
+        inputs = [
+            torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(size)
+        ]
+        assert torch.allclose(noisy, sum(inputs), atol=1e-5)
+        # every rank holds the same bits, not just close values
+        everyone = torch.empty(numel * size)
+        comm.all_gather(noisy, everyone)
+        assert all(torch.equal(part, noisy) for part in everyone.view(size, numel))
+    finally:
+        transport.RingAllReduceWork = ring  # type: ignore[misc]
+    return launched
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("world", [2, 4])
+def test_large_sums_all_reduce_as_rings_exactly_and_alike_on_every_rank(world: int) -> None:
+    from zero.torch_transport import RING_ALL_REDUCE_MIN_NUMEL
+
+    numel = RING_ALL_REDUCE_MIN_NUMEL * 2
+    assert run_ranks(_ring_all_reduces, world) == [[numel, numel]] * world
+
+
 def _issue_one_step_of_each(comm: Communicator) -> tuple[int, list, dict]:
     pair = [comm.new_group("pair0", [0, 1]), comm.new_group("pair1", [2, 3])][comm.rank // 2]
     comm.tag = 1
