@@ -324,8 +324,6 @@ def test_powersgd_equals_the_papers_reference() -> None:
     """Written from Vogels et al., Algorithm 1 with error feedback: P = M Q (summed), P
     orthogonalized, Q = M^T P (summed), the sum approximated by P Q^T, each rank's residual
     M_w - P Q_w^T; the first Q a seeded normal matrix."""
-    from zero.compression.powersgd import orthogonalize
-
     results = run_threads(
         train_recorded, WORLD, {"type": "powersgd", "rank": 2}, 2, "fp32", 1, timeout_s=30
     )
@@ -339,8 +337,7 @@ def test_powersgd_equals_the_papers_reference() -> None:
         generator = torch.Generator().manual_seed(_stable("up.weight"))
         q0 = torch.randn(cols, 2, generator=generator)
         ms = [(e["full"] + e["before"])[span].view(rows, cols) for e in entries]
-        p = sum(m @ q0 for m in ms)
-        orthogonalize(p)
+        p = _gram_schmidt(sum(m @ q0 for m in ms))
         q = sum(m.t() @ p for m in ms)
         received = torch.cat([e["shard"] for e in entries])[span]
         assert torch.allclose(received, (p @ q.t()).reshape(-1), rtol=1e-4, atol=1e-6)
@@ -355,6 +352,34 @@ def test_powersgd_equals_the_papers_reference() -> None:
             assert torch.allclose(torch.cat([e["shard"] for e in entries])[bias], exact)
         checked += 1
     assert checked == 1
+
+
+def _gram_schmidt(p: torch.Tensor) -> torch.Tensor:
+    """The paper's orthogonalization, column by column with the library's epsilon: each column
+    minus its projections on the ones before, then normalized."""
+    columns: list[torch.Tensor] = []
+    for i in range(p.shape[1]):
+        column = p[:, i].clone()
+        for previous in columns:
+            column -= (previous @ column) * previous
+        columns.append(column / (column.norm() + 1e-8))
+    return torch.stack(columns, dim=1)
+
+
+def test_a_batch_orthogonalizes_each_matrix_as_the_paper_does() -> None:
+    """Same-height P's go through Gram-Schmidt as one batch; each comes out as it would alone,
+    orthonormal, and a zero column stays zero."""
+    from zero.compression.powersgd import orthogonalize
+
+    batch = torch.randn(3, 40, 4, generator=torch.Generator().manual_seed(0))
+    batch[1, :, 2] = 0.0
+    expected = [_gram_schmidt(p) for p in batch]
+    orthogonalize(batch)
+    for got, want in zip(batch, expected, strict=True):
+        assert torch.allclose(got, want, atol=1e-5)
+    gram = batch[0].t() @ batch[0]
+    assert torch.allclose(gram, torch.eye(4), atol=1e-5)
+    assert not batch[1, :, 2].any()
 
 
 def _stable(name: str) -> int:
