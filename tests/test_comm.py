@@ -139,22 +139,27 @@ def test_collectives_are_exact_on_four_ranks_and_on_two_rank_subgroups() -> None
     assert run_ranks(_collectives_on_world_and_pairs, 4) == [None] * 4
 
 
-def _ring_all_reduces(comm: Communicator) -> list[int]:
-    """Large host sums run as rings (counted by wrapping the ring class), small ones and other
-    ops as gloo's builtin; two rings in flight at once, waited for in reverse order."""
+def _all_reduce_paths(comm: Communicator) -> list[tuple[str, int]]:
+    """Which way each all-reduce travelled (counted by wrapping the two classes): large host
+    sums as rings, small ones of any op as one direct exchange, the rest as gloo's builtin;
+    two rings in flight at once, waited for in reverse order; exact and alike on every rank."""
     import zero.torch_transport as transport
 
-    launched: list[int] = []
-    ring = transport.RingAllReduceWork
+    launched: list[tuple[str, int]] = []
+    originals = {"ring": transport.RingAllReduceWork, "direct": transport.DirectAllReduceWork}
 
-    def counted(tensor: torch.Tensor, *args: object) -> object:
-        launched.append(tensor.numel())
-        return ring(tensor, *args)
+    def counted(kind: str):
+        def launch(tensor: torch.Tensor, *args: object) -> object:
+            launched.append((kind, tensor.numel()))
+            return originals[kind](tensor, *args)
 
-    transport.RingAllReduceWork = counted  # type: ignore[assignment,misc]
+        return launch
+
+    transport.RingAllReduceWork = counted("ring")  # type: ignore[assignment,misc]
+    transport.DirectAllReduceWork = counted("direct")  # type: ignore[assignment,misc]
     try:
         size, me = comm.size, comm.rank
-        numel = transport.RING_ALL_REDUCE_MIN_NUMEL * 2  # a multiple of 2 and 4
+        numel = transport.DIRECT_ALL_REDUCE_MAX_BYTES // 4 * 2  # a multiple of 2 and 4
         exact = _pattern(me, numel, torch.float32)
         noisy = torch.randn(numel, generator=torch.Generator().manual_seed(me))
         uneven = _pattern(me, numel + 1, torch.float32)
@@ -165,13 +170,23 @@ def _ring_all_reduces(comm: Communicator) -> list[int]:
         for handle in reversed(handles):
             handle.wait()
         comm.all_reduce(uneven)
-        comm.all_reduce(_pattern(me, numel, torch.float32), op="max")
+        largest = _pattern(me, numel, torch.float32)
+        comm.all_reduce(largest, op="max")
+        norm = torch.tensor([float(me) + 0.5])
+        comm.all_reduce(norm)
+        flags = torch.tensor([me, -me], dtype=torch.int64)
+        comm.all_reduce(flags, op="min")
         assert torch.equal(
             exact, _reduced("sum", [_pattern(i, numel, torch.float32) for i in range(size)])
         )
         assert torch.equal(
             uneven, _reduced("sum", [_pattern(i, numel + 1, torch.float32) for i in range(size)])
         )
+        assert torch.equal(
+            largest, _reduced("max", [_pattern(i, numel, torch.float32) for i in range(size)])
+        )
+        assert norm.item() == sum(i + 0.5 for i in range(size))
+        assert flags.tolist() == [0, -(size - 1)]
         inputs = [
             torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(size)
         ]
@@ -181,18 +196,20 @@ def _ring_all_reduces(comm: Communicator) -> list[int]:
         comm.all_gather(noisy, everyone)
         assert all(torch.equal(part, noisy) for part in everyone.view(size, numel))
     finally:
-        transport.RingAllReduceWork = ring  # type: ignore[misc]
+        transport.RingAllReduceWork = originals["ring"]  # type: ignore[misc]
+        transport.DirectAllReduceWork = originals["direct"]  # type: ignore[misc]
     return launched
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 4])
-def test_large_sums_all_reduce_as_rings_exactly_and_alike_on_every_rank(world: int) -> None:
-    from zero.torch_transport import RING_ALL_REDUCE_MIN_NUMEL
+def test_all_reduces_travel_as_rings_or_one_exchange_exactly_and_alike(world: int) -> None:
+    from zero.torch_transport import DIRECT_ALL_REDUCE_MAX_BYTES
 
-    numel = RING_ALL_REDUCE_MIN_NUMEL * 2
-    assert run_ranks(_ring_all_reduces, world) == [[numel, numel]] * world
+    numel = DIRECT_ALL_REDUCE_MAX_BYTES // 4 * 2
+    paths = [("ring", numel), ("ring", numel), ("direct", 1), ("direct", 2)]
+    assert run_ranks(_all_reduce_paths, world) == [paths] * world
 
 
 def _issue_one_step_of_each(comm: Communicator) -> tuple[int, list, dict]:

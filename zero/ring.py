@@ -236,6 +236,56 @@ class RingAllReduceWork:
         return self._done
 
 
+class DirectAllReduceWork:
+    """A small all-reduce as one exchange: every rank sends its whole tensor to every other
+    under ``tag`` and reduces the ``n`` of them in rank order, so every rank computes the same
+    bits. One round trip, where the builtin needs its agreement round and then its own
+    rounds: for a norm or a flag, latency is all there is. It sends ``(n-1) numel`` elements,
+    more than the ring volume the ledger models (``2 numel (n-1)/n``), by at most
+    ``DIRECT_ALL_REDUCE_MAX_BYTES * (n-1)`` bytes a call (see zero.torch_transport)."""
+
+    _REDUCE = {"sum": torch.sum, "max": torch.amax, "min": torch.amin}
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        op: str,
+        ranks: tuple[int, ...],
+        rank: int,
+        process_group: object,
+        tag: int,
+    ) -> None:
+        self._tensor, self._op = tensor, op
+        flat = tensor.reshape(-1)
+        self._everyone = torch.empty(len(ranks), flat.numel(), dtype=tensor.dtype)
+        self._everyone[rank].copy_(flat)
+        ops = []
+        for position, peer in enumerate(ranks):
+            if position == rank:
+                continue
+            ops.append(dist.P2POp(dist.isend, self._everyone[rank], peer, process_group, tag))
+            ops.append(dist.P2POp(dist.irecv, self._everyone[position], peer, process_group, tag))
+        self._works = dist.batch_isend_irecv(ops)
+        self._done = False
+
+    def wait(self, timeout: timedelta) -> bool:
+        deadline = time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError("all_reduce exchange did not finish in time")
+            work.wait(timeout=timedelta(seconds=left))
+        self._works = []
+        if not self._done:
+            reduced = self._REDUCE[self._op](self._everyone, dim=0)
+            self._tensor.copy_(reduced.view(self._tensor.shape))
+            self._done = True
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
+
+
 class AllToAllWork:
     """An equal-split all-to-all over point-to-point messages; ``wait(timeout)`` finishes it like
     a torch ``Work``. Every buffer is cut into one block per rank; all messages are posted at

@@ -5,10 +5,11 @@ broadcast, the object gathers and the barrier) first all-gathers the identities 
 collective each member is at (``zero.identity``, a fixed-size message) and compares them:
 before launching on gloo, whose background work would abort on a size mismatch, and at the
 wait on NCCL, which keeps its launch order. Rings and all-to-alls need no agreement: they
-send under the identity's tag, so messages of different collectives never match. On gloo a
-large host sum all-reduce is a ring too (reduce-scatter, then all-gather): the agreement is
-a blocking round trip before every builtin launch, which on a 1 Gbit/s emulated link cost a
-PowerSGD step (two all-reduces) about 14 ms of its 0.30 s.
+send under the identity's tag, so messages of different collectives never match. On gloo
+host all-reduces travel the same way, as a direct exchange when small (a norm, a flag) and
+as a ring (reduce-scatter, then all-gather) when a large sum: the agreement is a blocking
+round trip before every builtin launch, which on a 1 Gbit/s emulated link cost a PowerSGD
+step (two all-reduces) about 14 ms of its 0.30 s.
 
 A timed-out wait asks the peers where they are over a gloo group of its own (see
 :meth:`TorchTransport.explain`): a timed-out collective closes its group's connections to
@@ -27,7 +28,13 @@ from torch import Tensor
 
 from zero.identity import FIELDS, CollectiveIdentity, MismatchError, diagnose, mismatch_message
 from zero.process_group import Group, create_group
-from zero.ring import AllToAllWork, HostStagedRing, RingAllReduceWork, RingWork
+from zero.ring import (
+    AllToAllWork,
+    DirectAllReduceWork,
+    HostStagedRing,
+    RingAllReduceWork,
+    RingWork,
+)
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names; older releases lack *_single.
 # Picked once here so no call site emits a FutureWarning.
@@ -41,9 +48,10 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 # peers that time out a little later on the same collective.
 DIAGNOSIS_S = 0.5
 
-# Below this many elements an all-reduce is latency: the builtin's one round (after the
-# agreement round) beats a ring's 2 (n - 1) steps.
-RING_ALL_REDUCE_MIN_NUMEL = 4096
+# Up to this size a host all-reduce on gloo is one direct exchange (every rank sends its
+# tensor to every other): latency is all there is. Above it, a sum that splits evenly runs as
+# a ring (bandwidth-optimal); neither waits for the builtin's agreement round.
+DIRECT_ALL_REDUCE_MAX_BYTES = 16 * 1024
 
 
 class _Checked:
@@ -155,7 +163,12 @@ class TorchTransport:
     def all_reduce(
         self, tensor: Tensor, op: str, group: Group, identity: CollectiveIdentity
     ) -> object:
-        if self._ring_all_reduce(tensor, op, group):
+        path = self._all_reduce_path(tensor, op, group)
+        if path == "direct":
+            return DirectAllReduceWork(
+                tensor, op, group.ranks, group.rank, group.process_group, identity.tag()
+            )
+        if path == "ring":
             return RingAllReduceWork(
                 tensor, group.ranks, group.rank, group.process_group, identity.tag()
             )
@@ -247,18 +260,19 @@ class TorchTransport:
     def _use_ring(self, group: Group) -> bool:
         return self.rings and dist.get_backend(group.process_group) == "gloo"
 
-    def _ring_all_reduce(self, tensor: Tensor, op: str, group: Group) -> bool:
-        """A host sum whose elements split evenly over the group, of at least
-        ``RING_ALL_REDUCE_MIN_NUMEL`` elements, runs as rings; the rest (a norm, a flag, a
-        max) take the builtin with its agreement round, cheaper for a few elements."""
-        return (
-            op == "sum"
-            and self._use_ring(group)
-            and tensor.device.type == "cpu"
-            and tensor.dtype.is_floating_point
-            and tensor.numel() >= RING_ALL_REDUCE_MIN_NUMEL
-            and tensor.numel() % group.size == 0
-        )
+    def _all_reduce_path(self, tensor: Tensor, op: str, group: Group) -> str:
+        """How an all-reduce travels on gloo: ``direct`` (a host tensor of at most
+        ``DIRECT_ALL_REDUCE_MAX_BYTES``, any op: a norm, a flag), ``ring`` (a larger host sum
+        that splits evenly over the group) or ``builtin`` (the rest, after its agreement)."""
+        if not self._use_ring(group) or group.size == 1 or tensor.device.type != "cpu":
+            return "builtin"
+        if tensor.dtype == torch.bool:
+            return "builtin"
+        if tensor.numel() * tensor.element_size() <= DIRECT_ALL_REDUCE_MAX_BYTES:
+            return "direct"
+        if op == "sum" and tensor.dtype.is_floating_point and tensor.numel() % group.size == 0:
+            return "ring"
+        return "builtin"
 
     def _builtin(
         self,
