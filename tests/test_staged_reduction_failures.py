@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.test_zeropp_collectives import _HostWorkspaces
 from zero.compression.powersgd import PowerSGDReduceScatter, PowerSGDSettings
 from zero.quantized_reduce import HierarchicalQuantizedReduceScatter
 from zero.stage_guard import StageFailed
@@ -62,23 +63,6 @@ class _Comm:
         return self._issue()
 
 
-class _Workspaces:
-    class _Tier:
-        compute = True
-
-    def __init__(self) -> None:
-        self.compute = self._Tier()
-        self.workspaces = self
-        self.held = 0
-
-    def allocate(self, numel, dtype, tier, protect, within="budget", kind=None):
-        self.held += numel * dtype.itemsize
-        return torch.zeros(numel, dtype=dtype)
-
-    def free(self, buffer, tier, kind=None):
-        self.held -= buffer.numel() * buffer.element_size()
-
-
 class _CountingWire(WireBuffers):
     """The pool, counting the buffers lent and not given back."""
 
@@ -100,7 +84,7 @@ def _qgz(comm: _Comm, wire: WireBuffers):
     return reduction.launch(None, torch.randn(WORLD * n), torch.zeros(n)), n
 
 
-def _powersgd(comm: _Comm, wire: WireBuffers, workspaces: _Workspaces):
+def _powersgd(comm: _Comm, wire: WireBuffers, workspaces: _HostWorkspaces):
     slot = SimpleNamespace(name="w", shape=torch.Size([32, 16]), numel=512, offset=0)
     layout = SimpleNamespace(index=0, slots=[slot])
     residual = SimpleNamespace(payload=torch.zeros(512), unpinned=0)
@@ -116,7 +100,7 @@ def _powersgd(comm: _Comm, wire: WireBuffers, workspaces: _Workspaces):
 def test_a_failed_stage_is_raised_again_by_wait_and_the_buffers_go_back(
     method: str, fails_at: str
 ) -> None:
-    comm, workspaces = _Comm(fails_at), _Workspaces()
+    comm, workspaces = _Comm(fails_at), _HostWorkspaces()
     wire = _CountingWire(workspaces)
     if method == "qgz":
         work, _ = _qgz(comm, wire)

@@ -50,11 +50,11 @@ class _HostWorkspaces:
         self.workspaces = self
         self.held = 0
 
-    def allocate(self, numel, dtype, tier, protect, within="budget"):
+    def allocate(self, numel, dtype, tier, protect, within="budget", kind=None):
         self.held += numel * dtype.itemsize
-        return torch.empty(numel, dtype=dtype)
+        return torch.zeros(numel, dtype=dtype)  # zeros: a residual chunk starts at zero
 
-    def free(self, buffer, tier):
+    def free(self, buffer, tier, kind=None):
         self.held -= buffer.numel() * buffer.element_size()
 
 
