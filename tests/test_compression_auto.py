@@ -219,3 +219,42 @@ def test_a_rank_failing_to_measure_makes_every_rank_raise_at_once() -> None:
     assert "codec timing broke" in raised[1]
     assert all("could not time the candidates' codecs" in r for r in raised), raised
     assert "on another rank" in raised[0]
+
+
+BETWEEN_STEPS_S = 0.3
+
+
+def train_with_a_pause_between_steps(comm, steps: int) -> dict:
+    """As :func:`train`, but the loop sleeps between steps (data loading, an evaluation)."""
+    import time
+
+    engine = _engine(comm, AUTO, 2, precision="bf16", gradient_clipping=1.0, chunk={"size": 512})
+    for step in range(steps):
+        loss = engine(*_batch(step, comm.rank))
+        engine.backward(loss)
+        engine.step()
+        time.sleep(BETWEEN_STEPS_S)
+    return engine.run_summary().compression["auto"]
+
+
+def test_the_judge_times_the_engines_step_not_the_loops_period() -> None:
+    """A method can save none of what the loop does between steps: the step the judge weighs
+    savings against is the engine's, forward to the end of step, without the pause."""
+    for decision in run_threads(train_with_a_pause_between_steps, WORLD, 5, timeout_s=60):
+        assert 0 < decision["step_s"] < BETWEEN_STEPS_S / 2, decision["step_s"]
+
+
+def test_the_cycle_clock_times_from_the_first_forward_to_the_step_end() -> None:
+    """Micro-steps (or an evaluation) before a step count in it from the first forward; an
+    end without a start (the first tag an engine sets) times nothing."""
+    from zero.cycle_clock import CycleClock
+
+    times = iter([1.0, 4.5, 10.0, 11.0])
+    clock = CycleClock(now=lambda: next(times))
+    clock.ended()
+    clock.began()  # 1.0
+    clock.began()  # a second micro-step: not a new start
+    clock.ended()  # 4.5
+    clock.began()  # 10.0
+    clock.ended()  # 11.0
+    assert list(clock.durations) == [3.5, 1.0]

@@ -35,6 +35,7 @@ from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
 from zero.compression import build_compressed_reduction, compressed_reduction_costs
+from zero.cycle_clock import CycleClock
 from zero.gather import (
     ExactAllGather,
     ExactAllGatherCosts,
@@ -89,6 +90,7 @@ class ZeroSharding(Sharding):
         self.device = device
         self.world_size = comm.size
         self.rank = comm.rank
+        self.cycle_clock = CycleClock()
 
     def param_span(self, layout: ChunkLayout) -> Span | None:
         return self.shard(layout) if self.stage >= 3 else None
@@ -111,9 +113,11 @@ class ZeroSharding(Sharding):
 
     def set_tag(self, iteration: int) -> None:
         self.comm.tag = iteration
+        self.cycle_clock.ended()  # the engine sets the next step's tag as a step ends
 
     def begin_cycle(self, cycle: int) -> None:
         self.comm.cycle = cycle
+        self.cycle_clock.began()
 
     def gather_objects(self, obj: object) -> list[object]:
         return self.comm.all_gather_object(obj)
@@ -316,6 +320,7 @@ class ZeroStrategy(Strategy):
                 choice.reduce_phase,
                 exact=reduction,
                 gradient_clipping=self.gradient_clipping,
+                clock=self.sharding.cycle_clock,
             )
         return ReduceScatterGrads(
             params,

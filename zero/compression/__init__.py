@@ -56,6 +56,7 @@ from zero.compression.topk import (
     TopKReduceScatterCosts,
     TopKSettings,
 )
+from zero.cycle_clock import CycleClock
 from zero.kinds import DGC_VELOCITY
 from zero.reduce import GradientReduction, GradientReductionCosts
 from zero.topology import Topology
@@ -115,11 +116,12 @@ def build_compressed_reduction(
     phase: str,
     exact: GradientReduction,
     gradient_clipping: float,
+    clock: CycleClock,
 ) -> CompressedReduction:
     """The reduction ``config`` asks for (exact during its warm-up), its state and its
     variance schedule. ``auto`` probes the link here, so every rank must build it at the same
-    point (``initialize`` does). ``gradient_clipping`` is the engine's, which DGC applies
-    locally."""
+    point (``initialize`` does), and times the steps on ``clock``. ``gradient_clipping`` is
+    the engine's, which DGC applies locally."""
     residuals = Residuals(wire.residency)
     stores = [residuals]
     counter = StepCounter()
@@ -155,7 +157,7 @@ def build_compressed_reduction(
             for m in methods
         }
         probe = probe_link(comm, wire.residency.device.torch_device)
-        judge = Judge(comm, params, counter, probe, candidates, config.auto_min_gain, phase)
+        judge = Judge(comm, params, counter, clock, probe, candidates, config.auto_min_gain, phase)
         after_warmup, compressed_from = AutoReduction(judge, exact), judge.compressed_from
     else:
         after_warmup = compressed[config.type]

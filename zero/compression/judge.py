@@ -49,6 +49,7 @@ from zero.comm_ledger import elements_sent_per_rank
 from zero.compression.blockwise import BlockCode
 from zero.compression.powersgd import LayoutPlan, PowerSGDSettings, orthogonalize
 from zero.compression.state import StepCounter
+from zero.cycle_clock import CycleClock
 from zero.reduce import ExactReduceScatterCosts, GradientReduction, GradientReductionCosts
 
 PROBE_ELEMENTS = 1 << 20  # 4 MiB of fp32: long enough to see the link, short at initialize
@@ -132,6 +133,7 @@ class Judge:
         comm: Communicator,
         params: ParamStore,
         counter: StepCounter,
+        clock: CycleClock,
         probe: LinkProbe,
         candidates: dict[str, Candidate],
         min_gain: float,
@@ -140,6 +142,7 @@ class Judge:
         self.comm = comm
         self.params = params
         self.counter = counter
+        self.clock = clock
         self.probe = probe
         self.candidates = candidates
         self.min_gain = min_gain
@@ -150,8 +153,9 @@ class Judge:
         return len(self._step_samples()) >= STEP_SAMPLES
 
     def _step_samples(self) -> list[float]:
-        starts = self.counter.recent_starts
-        return [b - a for a, b in zip(starts[1:-1], starts[2:], strict=False)]
+        """The engine's time for each step this process completed but its first (which
+        builds the trace and warms the caches), not the loop's period (zero.cycle_clock)."""
+        return list(self.clock.durations)[1:]
 
     def decide(self, device: torch.device, itemsize: int) -> Decision:
         """Measure, agree with the other ranks, pick; logs the decision. A rank whose

@@ -16,7 +16,6 @@ one rank's gradients, so the same rule keeps the momentum of their sum.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -26,7 +25,6 @@ from chunkmem.params import ParamStore
 from zero.compression.powersgd import new_q_buffer
 from zero.compression.residuals import Residuals
 
-RECENT_STARTS = 8
 Q_KEY = "powersgd_q.{name}"
 
 
@@ -38,14 +36,11 @@ class StepCounter:
     def __init__(self) -> None:
         self.steps = 0
         self._tag: int | None = None
-        # When the last few steps of this process started (``compression: auto`` times them).
-        self.recent_starts: list[float] = []
 
     def observe(self, tag: int) -> None:
         if tag != self._tag:
             self._tag = tag
             self.steps += 1
-            self.recent_starts = [*self.recent_starts[-(RECENT_STARTS - 1) :], time.perf_counter()]
 
     def restore(self, steps: int) -> None:
         self.steps, self._tag = steps, None
