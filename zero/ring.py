@@ -30,6 +30,22 @@ import torch.distributed as dist
 from zero.identity import DIAGNOSE_TAG
 
 
+def second_tag(tag: int) -> int:
+    """The tag of a collective's second message stream: identity tags are even and below
+    DIAGNOSE_TAG (the largest int32), so the odd tag beside one is free, except next to it."""
+    return tag + 1 if tag + 1 != DIAGNOSE_TAG else tag - 1
+
+
+def wait_all(works: list, timeout: timedelta, what: str) -> None:
+    """Wait for every point-to-point work within ``timeout`` in total."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    for work in works:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"{what} did not finish in time")
+        work.wait(timeout=timedelta(seconds=left))
+
+
 class ReceiveBuffers:
     """Receive buffers of finished reduce-scatter rings, kept for the next ring of the same
     shape (a few per shape; ranks of an in-process world share them, so under a lock).
@@ -209,7 +225,7 @@ class RingAllReduceWork:
         tag: int,
     ) -> None:
         self._tensor, self._ranks, self._rank, self._group = tensor, ranks, rank, process_group
-        self._gather_tag = tag + 1 if tag + 1 != DIAGNOSE_TAG else tag - 1
+        self._gather_tag = second_tag(tag)
         self._shard = torch.empty(tensor.numel() // len(ranks), dtype=tensor.dtype)
         self._reduce: RingWork | None = RingWork(
             tensor, self._shard, ranks, rank, process_group, True, tag
@@ -269,12 +285,7 @@ class DirectAllReduceWork:
         self._done = False
 
     def wait(self, timeout: timedelta) -> bool:
-        deadline = time.monotonic() + timeout.total_seconds()
-        for work in self._works:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError("all_reduce exchange did not finish in time")
-            work.wait(timeout=timedelta(seconds=left))
+        wait_all(self._works, timeout, "all_reduce exchange")
         self._works = []
         if not self._done:
             reduced = self._REDUCE[self._op](self._everyone, dim=0)
@@ -310,9 +321,7 @@ class AllToAllWork:
             received = [torch.empty_like(t, device="cpu") for t in received]
         self._received = received
         ops = []
-        # Identity tags are even and below DIAGNOSE_TAG (the largest int32): tag + 1 is free,
-        # except next to it.
-        tags = [tag, tag + 1 if tag + 1 != DIAGNOSE_TAG else tag - 1]
+        tags = [tag, second_tag(tag)]
         for index, (out, into) in enumerate(zip(send, received, strict=True)):
             n = out.numel() // size
             into[rank * n : (rank + 1) * n].copy_(out[rank * n : (rank + 1) * n])
@@ -329,12 +338,7 @@ class AllToAllWork:
         self._works = dist.batch_isend_irecv(ops) if ops else []
 
     def wait(self, timeout: timedelta) -> bool:
-        deadline = time.monotonic() + timeout.total_seconds()
-        for work in self._works:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise RuntimeError("all_to_all did not finish in time")
-            work.wait(timeout=timedelta(seconds=left))
+        wait_all(self._works, timeout, "all_to_all")
         self._works = []
         for target, host in zip(self._targets, self._received, strict=False):
             target.copy_(host)
