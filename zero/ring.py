@@ -272,9 +272,8 @@ class DirectAllReduceWork:
         tag: int,
     ) -> None:
         self._tensor, self._op = tensor, op
-        flat = tensor.reshape(-1)
-        self._everyone = torch.empty(len(ranks), flat.numel(), dtype=tensor.dtype)
-        self._everyone[rank].copy_(flat)
+        self._everyone = torch.empty(len(ranks), tensor.numel(), dtype=tensor.dtype)
+        self._everyone[rank].copy_(tensor)  # the communicator passes flat tensors only
         ops = []
         for position, peer in enumerate(ranks):
             if position == rank:
@@ -289,7 +288,7 @@ class DirectAllReduceWork:
         self._works = []
         if not self._done:
             reduced = self._REDUCE[self._op](self._everyone, dim=0)
-            self._tensor.copy_(reduced.view(self._tensor.shape))
+            self._tensor.copy_(reduced)
             self._done = True
         return True
 
