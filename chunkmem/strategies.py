@@ -25,9 +25,12 @@ def build_strategy(config: Config, comm: Communicator | None, device: torch.devi
     return ZeroStrategy(config.zero, comm, device, config.compression, config.gradient_clipping)
 
 
-def strategy_costs(config: Config, world_size: int, node_size: int, itemsize: int) -> StrategyCosts:
+def strategy_costs(
+    config: Config, world_size: int, node_size: int, itemsize: int, gpu: bool = True
+) -> StrategyCosts:
     """Fresh cost models of the seams :func:`build_strategy` gives ``config`` on
-    ``world_size`` ranks of ``node_size`` per node, computing in ``itemsize``-byte values."""
+    ``world_size`` ranks of ``node_size`` per node, computing in ``itemsize``-byte values;
+    ``gpu`` False: on the simulated device (host tensors: gloo's host paths)."""
     if not config.zero.stage:
         if world_size > 1:
             raise ConfigError(
@@ -37,4 +40,6 @@ def strategy_costs(config: Config, world_size: int, node_size: int, itemsize: in
         return StrategyCosts(ShardingCosts(), GathererCosts(), ReducerCosts())
     from zero.strategy import ZeroStrategy
 
-    return ZeroStrategy.costs(config.zero, world_size, node_size, itemsize, config.compression)
+    return ZeroStrategy.costs(
+        config.zero, world_size, node_size, itemsize, config.compression, host_tensors=not gpu
+    )

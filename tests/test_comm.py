@@ -17,6 +17,7 @@ from chunkmem.errors import ChunkmemError
 from tests.distributed_helpers import run_ranks
 from zero.comm import CollectiveError, Communicator, Group, Handle, init_world, padded_numel
 from zero.process_group import LAUNCH_ENV
+from zero.ring import DIRECT_ALL_REDUCE_MAX_BYTES, host_all_reduce_path
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.uint8)
 SHARD = 3  # elements per rank: odd, so no slot boundary is a power of two
@@ -139,6 +140,25 @@ def test_collectives_are_exact_on_four_ranks_and_on_two_rank_subgroups() -> None
     assert run_ranks(_collectives_on_world_and_pairs, 4) == [None] * 4
 
 
+@pytest.mark.parametrize(
+    ("size", "direct_up_to_bytes"),
+    [(2, 1024 * 1024), (4, 128 * 1024), (8, 37448), (16, 16 * 1024), (64, 16 * 1024)],
+)
+def test_an_all_reduce_is_direct_while_its_extra_bytes_fit_the_budget(
+    size: int, direct_up_to_bytes: int
+) -> None:
+    """(n-1)(n-2)/n x the bytes beyond a ring, at most 192 KiB; always up to 16 KiB, never
+    above 1 MiB; above it a float sum that splits evenly is a ring, the rest the builtin."""
+    at = torch.empty(direct_up_to_bytes, dtype=torch.uint8).view(torch.float32)
+    above = torch.empty((direct_up_to_bytes // 4 // size + 1) * size, dtype=torch.float32)
+    assert host_all_reduce_path(at, "max", size) == "direct"
+    assert host_all_reduce_path(above, "sum", size) == "ring"
+    assert host_all_reduce_path(above, "max", size) == "builtin"
+    assert host_all_reduce_path(above[:-1], "sum", size) == "builtin"  # uneven
+    assert host_all_reduce_path(torch.zeros(4, dtype=torch.bool), "max", size) == "builtin"
+    assert host_all_reduce_path(at, "sum", 1) == "builtin"
+
+
 def _all_reduce_paths(comm: Communicator) -> list[tuple[str, int]]:
     """Which way each all-reduce travelled (counted by wrapping the two classes): large host
     sums as rings, small ones of any op as one direct exchange, the rest as gloo's builtin;
@@ -159,7 +179,7 @@ def _all_reduce_paths(comm: Communicator) -> list[tuple[str, int]]:
     transport.DirectAllReduceWork = counted("direct")  # type: ignore[assignment,misc]
     try:
         size, me = comm.size, comm.rank
-        numel = transport.DIRECT_ALL_REDUCE_MAX_BYTES // 4 * 2  # a multiple of 2 and 4
+        numel = DIRECT_ALL_REDUCE_MAX_BYTES // 4 * 2  # a multiple of 2 and 4, never direct
         exact = _pattern(me, numel, torch.float32)
         noisy = torch.randn(numel, generator=torch.Generator().manual_seed(me))
         uneven = _pattern(me, numel + 1, torch.float32)
@@ -205,8 +225,6 @@ def _all_reduce_paths(comm: Communicator) -> list[tuple[str, int]]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_reduces_travel_as_rings_or_one_exchange_exactly_and_alike(world: int) -> None:
-    from zero.torch_transport import DIRECT_ALL_REDUCE_MAX_BYTES
-
     numel = DIRECT_ALL_REDUCE_MAX_BYTES // 4 * 2
     paths = [("ring", numel), ("ring", numel), ("direct", 1), ("direct", 2)]
     assert run_ranks(_all_reduce_paths, world) == [paths] * world
@@ -249,15 +267,15 @@ def test_ledger_records_ring_volume_per_rank_and_separates_steps_by_tag() -> Non
         pair = "pair0" if rank < 2 else "pair1"
         root = 12 if rank == 0 else 0
         assert recorded_at_launch == 1, "an async collective is recorded when it is launched"
-        # numel * (n-1)/n for gathers, 2 * numel * (n-1)/n for all_reduce (floor of 7.5 for
-        # numel 5 on 4 ranks), numel from the broadcast root only.
+        # numel * (n-1)/n for gathers; a small all_reduce is one direct exchange, (n-1) * numel
+        # (on 2 ranks as much as the ring's 2 * numel * (n-1)/n); numel from the broadcast root.
         assert [
             (r.op, r.group, r.numel, r.elements_sent, r.bytes_sent, r.dtype, r.tag) for r in records
         ] == [
             ("all_gather", "world", 12, 9, 36, "float32", 1),
             ("reduce_scatter", "world", 12, 9, 36, "float32", 1),
-            ("all_reduce", "world", 12, 18, 72, "float32", 1),
-            ("all_reduce", "world", 5, 7, 28, "float32", 1),
+            ("all_reduce", "world", 12, 36, 144, "float32", 1),
+            ("all_reduce", "world", 5, 15, 60, "float32", 1),
             ("broadcast", "world", 12, root, 4 * root, "float32", 1),
             ("all_gather", pair, 12, 6, 12, "bfloat16", 1),
             ("all_reduce", pair, 12, 12, 24, "bfloat16", 1),
@@ -266,7 +284,7 @@ def test_ledger_records_ring_volume_per_rank_and_separates_steps_by_tag() -> Non
             ("all_gather", "world", 12, 9, 36, "float32", 2),
         ], f"rank {rank}"
         assert summary["sums"] == {
-            "all_reduce world step 1": 25,
+            "all_reduce world step 1": 51,
             "step 2": 9,
             "all_gather bytes": 36 + 12 + 36,
             "pair": 18,

@@ -250,13 +250,17 @@ class Communicator:
                 "sum and divide by the group size (gloo cannot average integer tensors)"
             )
         numel = tensor.numel()
+        exchange = self.transport.all_reduce_path(tensor, op, g) == "direct"
         return self._run(
             "all_reduce",
             g,
             tensor,
-            elements_sent_per_rank("all_reduce", numel, g.size),
+            (g.size - 1) * numel
+            if exchange
+            else elements_sent_per_rank("all_reduce", numel, g.size),
             lambda identity: self.transport.all_reduce(tensor, op, g, identity),
             async_op,
+            exchange=exchange,
         )
 
     def broadcast(self, tensor: Tensor, *, src: int = 0, group: Group | None = None) -> None:
@@ -414,11 +418,13 @@ class Communicator:
         start: Callable[[CollectiveIdentity], Work],
         async_op: bool,
         numel: int | None = None,
+        exchange: bool = False,
     ) -> Handle:
         """Record collective ``op``, give it its identity and launch ``start(identity)``.
-        ``numel`` is the logical size when ``tensor`` is one of several buffers."""
+        ``numel`` is the logical size when ``tensor`` is one of several buffers; ``exchange``:
+        every member sends the same elements to every other (see ``cross_node_elements``)."""
         numel = tensor.numel() if numel is None else numel
-        self._record(op, group, numel, elements_sent, tensor.dtype)
+        self._record(op, group, numel, elements_sent, tensor.dtype, exchange)
         identity = self._identity(op, group, numel, tensor.dtype)
         launched_at = time.monotonic()
         try:
@@ -483,7 +489,13 @@ class Communicator:
         return error
 
     def _record(
-        self, op: str, group: Group, numel: int, elements_sent: int, dtype: torch.dtype | None
+        self,
+        op: str,
+        group: Group,
+        numel: int,
+        elements_sent: int,
+        dtype: torch.dtype | None,
+        exchange: bool = False,
     ) -> None:
         itemsize = 0 if dtype is None else dtype.itemsize
         self.ledger.add(
@@ -496,7 +508,12 @@ class Communicator:
                 dtype=dtype_name(dtype),
                 tag=self.tag,
                 cross_node_bytes=cross_node_elements(
-                    op, group.ranks, group.ranks[group.rank], self.topology, elements_sent
+                    op,
+                    group.ranks,
+                    group.ranks[group.rank],
+                    self.topology,
+                    elements_sent,
+                    exchange=exchange,
                 )
                 * itemsize,
                 phase=self.phase,

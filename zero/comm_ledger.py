@@ -33,13 +33,20 @@ def elements_sent_per_rank(op: str, numel: int, size: int) -> int:
 
 
 def cross_node_elements(
-    op: str, ranks: Sequence[int], me: int, topology: Topology | None, sent: int
+    op: str,
+    ranks: Sequence[int],
+    me: int,
+    topology: Topology | None,
+    sent: int,
+    *,
+    exchange: bool = False,
 ) -> int:
     """How many of the ``sent`` elements global rank ``me`` of the group ``ranks`` sends to
-    another node (see ``zero.comm``, [Note: intra-node and cross-node bytes])."""
+    another node (see ``zero.comm``, [Note: intra-node and cross-node bytes]). ``exchange``:
+    an equal share goes to every other member, as in an all-to-all."""
     if topology is None or len(ranks) == 1 or not sent:
         return 0
-    if op == "all_to_all":
+    if exchange or op == "all_to_all":
         away = sum(1 for peer in ranks if not topology.same_node(me, peer))
         return sent // (len(ranks) - 1) * away
     right = ranks[(ranks.index(me) + 1) % len(ranks)]
@@ -56,16 +63,27 @@ def collective_traffic(
 ) -> Traffic:
     """``op`` of ``numel`` elements as every rank issues it on its group (``group_of(rank)``,
     global ranks), recorded as the communicator records it: what each sends, and the
-    cross-node share of each local rank (``chunkmem.costs``)."""
+    cross-node share of each local rank (``chunkmem.costs``). With
+    ``topology.host_all_reduces`` a small all-reduce is the direct exchange gloo sends."""
 
     from chunkmem.costs import Traffic
+    from zero.ring import all_reduce_is_direct
 
     cross = []
     sent = 0
     for rank in range(topology.node_size):
         ranks = group_of(rank)
-        sent = elements_sent_per_rank(op, numel, len(ranks))
-        cross.append(cross_node_elements(op, ranks, rank, topology, sent) * itemsize)
+        exchange = (
+            op == "all_reduce"
+            and topology.host_all_reduces
+            and all_reduce_is_direct(numel * itemsize, len(ranks))
+        )
+        sent = (
+            (len(ranks) - 1) * numel if exchange else elements_sent_per_rank(op, numel, len(ranks))
+        )
+        cross.append(
+            cross_node_elements(op, ranks, rank, topology, sent, exchange=exchange) * itemsize
+        )
     return Traffic(op, phase, sent * itemsize, tuple(cross))
 
 

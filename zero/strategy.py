@@ -253,7 +253,13 @@ class ZeroStrategy(Strategy):
         self.compression = compression or CompressionConfig()
         self.gradient_clipping = gradient_clipping  # DGC clips locally
         self.comm = comm
-        self.topology = Topology(comm.size, resolve_node_size(config.node_size, comm.size))
+        # Whether small all-reduces of this device's tensors travel as gloo's direct exchange:
+        # the cost models (compression's judge) then count them as the ledger does.
+        probe = torch.empty(1, device=device)
+        host_all_reduces = comm.transport.all_reduce_path(probe, "sum", comm.world) == "direct"
+        self.topology = Topology(
+            comm.size, resolve_node_size(config.node_size, comm.size), host_all_reduces
+        )
         comm.topology = self.topology
         self.choice = ZeroChoice.of(config)
         self.groups: NodeGroups | None = None
@@ -340,11 +346,15 @@ class ZeroStrategy(Strategy):
         node_size: int,
         itemsize: int,
         compression: CompressionConfig | None = None,
+        host_tensors: bool = False,
     ) -> ZeroStrategyCosts:
         """The cost models of the seams :meth:`gatherer` and :meth:`reducer` build for
-        ``config`` on ``world_size`` ranks of ``node_size`` per node (``chunkmem.costs``)."""
+        ``config`` on ``world_size`` ranks of ``node_size`` per node (``chunkmem.costs``);
+        ``host_tensors``: the device is simulated in host memory, so gloo's host paths run
+        (unless the config asks for NCCL or gloo's builtin collectives)."""
         choice = ZeroChoice.of(config)
-        topology = Topology(world_size, node_size)
+        host_all_reduces = host_tensors and config.backend != "nccl" and config.transport == "ring"
+        topology = Topology(world_size, node_size, host_all_reduces)
         if choice.hpz:
             check_hpz_partition_size(topology, choice.hpz_partition_size)
         pool = BytesPool()

@@ -50,6 +50,7 @@ from chunkmem.errors import ChunkmemError
 from zero.comm import Communicator
 from zero.identity import CollectiveIdentity, MismatchError, mismatch_message
 from zero.process_group import WORLD, Group, check_group_ranks
+from zero.ring import host_all_reduce_path
 
 _REDUCE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
@@ -251,6 +252,10 @@ class ThreadTransport:
 
     def check_sendable(self, op: str, name: str, tensor: Tensor, group: Group) -> None:
         return None  # memory carries every dtype
+
+    def all_reduce_path(self, tensor: Tensor, op: str, group: Group) -> str:
+        """The path gloo would take, so the ledger counts what a gloo world sends."""
+        return host_all_reduce_path(tensor, op, group.size)
 
     def checkpoint_group(self) -> object:
         raise ChunkmemError(

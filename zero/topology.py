@@ -28,10 +28,13 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"  # exported by torchrun to every rank
 
 @dataclass(frozen=True)
 class Topology:
-    """``world_size`` ranks on ``world_size // node_size`` nodes of ``node_size`` ranks each."""
+    """``world_size`` ranks on ``world_size // node_size`` nodes of ``node_size`` ranks each.
+    ``host_all_reduces``: collectives run on gloo over host memory, where a small all-reduce
+    is one direct exchange (``zero.ring.host_all_reduce_path``); cost models count it so."""
 
     world_size: int
     node_size: int
+    host_all_reduces: bool = False
 
     def __post_init__(self) -> None:
         if self.node_size < 1 or self.world_size % self.node_size:

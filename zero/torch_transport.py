@@ -34,6 +34,7 @@ from zero.ring import (
     HostStagedRing,
     RingAllReduceWork,
     RingWork,
+    host_all_reduce_path,
 )
 
 # torch 2.13 deprecates the *_into_tensor / *_tensor names; older releases lack *_single.
@@ -47,11 +48,6 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 # raises within about a second of its timeout (a dead peer never answers), long enough for
 # peers that time out a little later on the same collective.
 DIAGNOSIS_S = 0.5
-
-# Up to this size a host all-reduce on gloo is one direct exchange (every rank sends its
-# tensor to every other): latency is all there is. Above it, a sum that splits evenly runs as
-# a ring (bandwidth-optimal); neither waits for the builtin's agreement round.
-DIRECT_ALL_REDUCE_MAX_BYTES = 16 * 1024
 
 
 class _Checked:
@@ -163,7 +159,7 @@ class TorchTransport:
     def all_reduce(
         self, tensor: Tensor, op: str, group: Group, identity: CollectiveIdentity
     ) -> object:
-        path = self._all_reduce_path(tensor, op, group)
+        path = self.all_reduce_path(tensor, op, group)
         if path == "direct":
             return DirectAllReduceWork(
                 tensor, op, group.ranks, group.rank, group.process_group, identity.tag()
@@ -260,19 +256,13 @@ class TorchTransport:
     def _use_ring(self, group: Group) -> bool:
         return self.rings and dist.get_backend(group.process_group) == "gloo"
 
-    def _all_reduce_path(self, tensor: Tensor, op: str, group: Group) -> str:
-        """How an all-reduce travels on gloo: ``direct`` (a host tensor of at most
-        ``DIRECT_ALL_REDUCE_MAX_BYTES``, any op: a norm, a flag), ``ring`` (a larger host sum
-        that splits evenly over the group) or ``builtin`` (the rest, after its agreement)."""
-        if not self._use_ring(group) or group.size == 1 or tensor.device.type != "cpu":
+    def all_reduce_path(self, tensor: Tensor, op: str, group: Group) -> str:
+        """How an all-reduce travels: ``builtin`` on NCCL or for a device tensor, else as
+        :func:`zero.ring.host_all_reduce_path` says (``direct``, ``ring`` or ``builtin``);
+        neither of the first two waits for the builtin's agreement round."""
+        if not self._use_ring(group) or tensor.device.type != "cpu":
             return "builtin"
-        if tensor.dtype == torch.bool:
-            return "builtin"
-        if tensor.numel() * tensor.element_size() <= DIRECT_ALL_REDUCE_MAX_BYTES:
-            return "direct"
-        if op == "sum" and tensor.dtype.is_floating_point and tensor.numel() % group.size == 0:
-            return "ring"
-        return "builtin"
+        return host_all_reduce_path(tensor, op, group.size)
 
     def _builtin(
         self,

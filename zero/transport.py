@@ -53,6 +53,12 @@ class Transport(Protocol):
         self, tensor: Tensor, op: str, group: Group, identity: CollectiveIdentity
     ) -> Work: ...
 
+    def all_reduce_path(self, tensor: Tensor, op: str, group: Group) -> str:
+        """``direct`` when the all-reduce is one exchange (every member sends its whole tensor
+        to every other: the ledger counts ``(n-1) numel``), else ``ring`` or ``builtin``
+        (counted by the ring model)."""
+        ...
+
     def broadcast(
         self, tensor: Tensor, src: int, group: Group, identity: CollectiveIdentity
     ) -> Work: ...

@@ -106,7 +106,7 @@ def estimate(
         raise ConfigError(f"the node size {node_size} does not divide the world size {world_size}")
     dtype = COMPUTE_DTYPES[config.precision]
     costs = strategy_costs(
-        config, world_size, node_size, dtype.itemsize
+        config, world_size, node_size, dtype.itemsize, gpu
     )  # refuses what it cannot model
     with torch.device("meta"):
         net = build_model(model)
@@ -146,7 +146,7 @@ def estimate(
         trace,
         packed,
         config,
-        lambda: strategy_costs(config, world_size, node_size, dtype.itemsize),
+        lambda: strategy_costs(config, world_size, node_size, dtype.itemsize, gpu),
         capacity,
         gpu,
         masters_on_device,
