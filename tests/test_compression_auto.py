@@ -54,6 +54,9 @@ def test_on_a_fast_link_auto_is_exact_training(caplog) -> None:
         decision = ours[rank]["compression"]["auto"]
         assert decision["chosen"] == "none" and decision["from_step"] == 4
         assert "below min_gain" in decision["reason"]
+        fastest = min(s for m, s in decision["predicted_s"].items() if m != "none")
+        direction = "slower" if fastest > decision["step_s"] else "faster"
+        assert f"% {direction} than the exact" in decision["reason"]
         assert decision["predicted_s"]["none"] == decision["step_s"] > 0
         assert decision["wire_bytes"]["onebit"] < decision["wire_bytes"]["none"]
     agreed = [{k: v for k, v in r["compression"]["auto"].items() if k != "probe_s"} for r in ours]

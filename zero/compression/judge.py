@@ -211,8 +211,9 @@ class Judge:
             )
         else:
             chosen = "none"
+            change = f"{gain:.1%} faster" if gain >= 0 else f"{-gain:.1%} slower"
             reason = (
-                f"the fastest method, {best}, predicts {gain:.1%} faster than the exact "
+                f"the fastest method, {best}, predicts {change} than the exact "
                 f"{step_s:.4g} s per step, below min_gain {self.min_gain:.0%}: the link "
                 f"({bandwidth / 1e6:.4g} MB/s) is not the bottleneck"
             )
