@@ -47,6 +47,7 @@ from torch import Tensor
 
 from chunkmem.errors import CollectiveError
 from chunkmem.temporaries import uncounted
+from zero.comm_checks import check_flat, check_shard_and_full
 from zero.comm_ledger import (
     CollectiveRecord,
     CommLedger,
@@ -206,7 +207,7 @@ class Communicator:
         ``shard`` may be that very slice of ``full`` (in place).
         """
         g = self._member("all_gather", group)
-        self._check_shard_and_full("all_gather", g, shard, full)
+        check_shard_and_full(self.transport, "all_gather", g, shard, full)
         numel = full.numel()
         return self._run(
             "all_gather",
@@ -222,7 +223,7 @@ class Communicator:
     ) -> Handle:
         """Group rank i's ``shard`` becomes the sum over ranks of their ``full[i*n : (i+1)*n]``."""
         g = self._member("reduce_scatter", group)
-        self._check_shard_and_full("reduce_scatter", g, shard, full)
+        check_shard_and_full(self.transport, "reduce_scatter", g, shard, full)
         numel = full.numel()
         return self._run(
             "reduce_scatter",
@@ -243,7 +244,7 @@ class Communicator:
     ) -> Handle:
         """Reduce ``tensor`` in place across the group with ``op`` ("sum", "max" or "min")."""
         g = self._member("all_reduce", group)
-        self._check_flat("all_reduce", "tensor", tensor, g)
+        check_flat(self.transport, "all_reduce", "tensor", tensor, g)
         if op not in _REDUCE_OPS:
             raise ValueError(
                 f"all_reduce: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}; to average, "
@@ -255,9 +256,7 @@ class Communicator:
             "all_reduce",
             g,
             tensor,
-            (g.size - 1) * numel
-            if exchange
-            else elements_sent_per_rank("all_reduce", numel, g.size),
+            elements_sent_per_rank("all_reduce", numel, g.size, exchange=exchange),
             lambda identity: self.transport.all_reduce(tensor, op, g, identity),
             async_op,
             exchange=exchange,
@@ -269,7 +268,7 @@ class Communicator:
         ``src`` is the rank within ``group``, not the global rank.
         """
         g = self._member("broadcast", group)
-        self._check_flat("broadcast", "tensor", tensor, g)
+        check_flat(self.transport, "broadcast", "tensor", tensor, g)
         if not 0 <= src < g.size:
             raise ValueError(
                 f"broadcast: src={src} is not a rank of {g.describe()}: group ranks are "
@@ -307,8 +306,8 @@ class Communicator:
                 f"{len(send)} and {len(received)} buffers"
             )
         for index, (out, into) in enumerate(zip(send, received, strict=True)):
-            self._check_flat("all_to_all", f"send[{index}]", out, g)
-            self._check_flat("all_to_all", f"received[{index}]", into, g)
+            check_flat(self.transport, "all_to_all", f"send[{index}]", out, g)
+            check_flat(self.transport, "all_to_all", f"received[{index}]", into, g)
             if out.dtype != send[0].dtype or into.dtype != out.dtype:
                 raise TypeError(
                     f"all_to_all: every buffer must have dtype {send[0].dtype}, got send[{index}] "
@@ -374,40 +373,6 @@ class Communicator:
         if not g.is_member:
             raise ValueError(f"{op}: global rank {self.rank} is not a member of {g.describe()}")
         return g
-
-    def _check_flat(self, op: str, name: str, tensor: Tensor, group: Group) -> None:
-        if not isinstance(tensor, Tensor):
-            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
-        if tensor.dim() != 1:
-            raise ValueError(
-                f"{op}: {name} must be a flat 1-D buffer (gloo rejects stacked shapes), "
-                f"got shape {tuple(tensor.shape)}"
-            )
-        if not tensor.is_contiguous():
-            raise ValueError(
-                f"{op}: {name} must be contiguous, got stride {tensor.stride()} "
-                f"for shape {tuple(tensor.shape)}"
-            )
-        self.transport.check_sendable(op, name, tensor, group)
-
-    def _check_shard_and_full(self, op: str, group: Group, shard: Tensor, full: Tensor) -> None:
-        self._check_flat(op, "shard", shard, group)
-        self._check_flat(op, "full", full, group)
-        if full.dtype != shard.dtype:
-            raise TypeError(
-                f"{op}: full has dtype {full.dtype} but shard has {shard.dtype}; they must match"
-            )
-        if full.device != shard.device:
-            raise ValueError(
-                f"{op}: full is on {full.device} but shard is on {shard.device}; they must match"
-            )
-        expected = shard.numel() * group.size
-        if full.numel() != expected:
-            raise ValueError(
-                f"{op}: full must have shard.numel() * size of {group.describe()} = "
-                f"{shard.numel()} * {group.size} = {expected} elements, got {full.numel()}; "
-                f"pad the buffer to padded_numel(numel, {group.size})"
-            )
 
     def _run(
         self,

@@ -20,11 +20,15 @@ if TYPE_CHECKING:
     from zero.topology import Topology
 
 
-def elements_sent_per_rank(op: str, numel: int, size: int) -> int:
+def elements_sent_per_rank(op: str, numel: int, size: int, *, exchange: bool = False) -> int:
     """Elements one member of a group of ``size`` sends in ``op`` of ``numel`` elements, under
-    the algorithm model of :class:`CollectiveRecord` (a broadcast's root: ``numel``)."""
+    the algorithm model of :class:`CollectiveRecord` (a broadcast's root: ``numel``).
+    ``exchange``: an all-reduce sent as one direct exchange (``zero.ring``), its whole tensor
+    to every other member."""
     if size == 1:
         return 0
+    if exchange:
+        return (size - 1) * numel
     if op == "broadcast":
         return numel
     if op == "all_reduce":
@@ -78,9 +82,7 @@ def collective_traffic(
             and topology.host_all_reduces
             and all_reduce_is_direct(numel * itemsize, len(ranks))
         )
-        sent = (
-            (len(ranks) - 1) * numel if exchange else elements_sent_per_rank(op, numel, len(ranks))
-        )
+        sent = elements_sent_per_rank(op, numel, len(ranks), exchange=exchange)
         cross.append(
             cross_node_elements(op, ranks, rank, topology, sent, exchange=exchange) * itemsize
         )
