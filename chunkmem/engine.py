@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
-import math
 import warnings
 import weakref
 from collections.abc import Hashable, Iterator
@@ -30,15 +28,14 @@ from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, inter
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
 from chunkmem.manager import ChunkManager
-from chunkmem.optimizer import ChunkAdam, clip_coefficient
+from chunkmem.optimizer import ChunkAdam
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.report import RunSummary, write_report
 from chunkmem.saved_tensors import ActivationCounter, make_saved_tensor_hooks
 from chunkmem.sizing import ChunkSizes
 from chunkmem.states import TensorState
+from chunkmem.step_gate import StepGate
 from chunkmem.tracer import Tracer
-
-_log = logging.getLogger("chunkmem")
 
 # The engine wrapping each model: a second engine on the same model would fight the first
 # over every parameter's ``.data`` (see ``chunkmem.initialize``).
@@ -122,9 +119,7 @@ class Engine:
         self.phase = EnginePhase.IDLE
         self.micro_steps = 0
         self.global_steps = 0
-        self.last_grad_norm: float | None = None
-        # This step's speculative early updates: "commit", "rollback" or None (none taken).
-        self.last_speculation: str | None = None
+        self.gate = StepGate(config, optimizer, self.reducer, self.scaler)
         self.stopped_because: str | None = None
         self.cycles_started = 0  # aborted cycles included: collectives carry the number
         self._closed = False
@@ -151,6 +146,17 @@ class Engine:
     @property
     def loss_scale(self) -> float:
         return self.scaler.scale
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The last step's global gradient norm, before clipping (above the clip, it fired)."""
+        return self.gate.last_grad_norm
+
+    @property
+    def last_speculation(self) -> str | None:
+        """What became of the last step's speculative early updates: "commit", "rollback",
+        or None where none were taken."""
+        return self.gate.last_speculation
 
     @property
     def closed(self) -> bool:
@@ -277,7 +283,7 @@ class Engine:
             raise EngineUsageError(
                 f"engine.step() needs engine.backward() first (the engine is {self.phase.value})"
             )
-        self.last_speculation = None
+        self.gate.begin_step()
         self.micro_steps += 1
         if self.micro_steps < self.config.gradient_accumulation_steps:
             self.phase = EnginePhase.IDLE
@@ -287,7 +293,7 @@ class Engine:
                 peak = max(self.tracer.observed.nonmodel_peak, default=0)
                 self.states.place(peak)
             self.reducer.before_step()
-            found_inf, divisor = self._unscale_and_clip()
+            found_inf, divisor = self.gate.decide(self.global_steps + 1)
             if found_inf:
                 self.optimizer.restore_from_masters()
             else:
@@ -314,42 +320,6 @@ class Engine:
                 "ignore", message=r"Detected call of `lr_scheduler.step\(\)` before"
             )
             self.lr_scheduler.step()
-
-    def _unscale_and_clip(self) -> tuple[bool, float]:
-        """(skip this step, gradient divisor). The global norm is computed every step: it is
-        the clipping norm, and it tells non-finite gradients (one read of the gradients; under
-        ZeRO one small all-reduce, so every rank decides alike)."""
-        scale = self.scaler.scale
-        norm = self.optimizer.grad_norm() / scale
-        self.last_grad_norm = norm
-        max_norm = self.reducer.global_clipping(self.config.gradient_clipping)
-        coefficient = clip_coefficient(norm, max_norm)
-        speculated = self.optimizer.speculating
-        held = math.isfinite(norm) and coefficient == 1.0
-        self.optimizer.settle_speculation(held)  # updates begun in backward stand or are undone
-        if speculated:
-            self.last_speculation = "commit" if held else "rollback"
-        if math.isfinite(norm):
-            return False, scale / coefficient
-        if self.config.precision == "fp16":
-            return True, 1.0  # an overflow: the loss scaler backs off
-        step = self.global_steps + 1
-        begun = self.optimizer.layouts_updated
-        if begun:  # offload.overlap updated these in backward: nothing to skip or undo
-            raise FloatingPointError(
-                f"step {step}: the global gradient norm is {norm}, and {begun} chunk group(s) "
-                f"were already updated during backward (offload.overlap); the engine cannot "
-                f"undo them. Restore the last checkpoint"
-            )
-        if self.config.nonfinite == "skip":
-            _log.warning("step %d skipped: the gradient norm is %s (nonfinite: skip)", step, norm)
-            return True, 1.0
-        raise FloatingPointError(
-            f"step {step}: the global gradient norm is {norm}, some gradient is NaN or "
-            f"infinite. The step was not taken and its gradients were discarded; the next "
-            f"batch may train. Lower the learning rate or check the data, or set config "
-            f"'nonfinite': 'skip' to skip such steps"
-        )
 
     def _end_cycle(self) -> None:
         self.grads.clear()
