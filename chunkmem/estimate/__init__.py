@@ -20,7 +20,8 @@ from chunkmem.cli.settings import ModelSettings
 from chunkmem.config import Config
 from chunkmem.costs import WireTally
 from chunkmem.errors import ConfigError
-from chunkmem.estimate.memory import MemoryEstimate, estimate_memory, pack_layouts
+from chunkmem.estimate.layouts import pack_layouts
+from chunkmem.estimate.memory import MemoryEstimate, estimate_memory
 from chunkmem.estimate.trace import trace_model
 from chunkmem.estimate.wire import WireEstimate
 from chunkmem.sizing import (

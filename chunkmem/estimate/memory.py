@@ -32,57 +32,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config
 from chunkmem.costs import StrategyCosts, Traffic, WireTally
 from chunkmem.estimate.host import host_bytes, state_bytes_per_element
+from chunkmem.estimate.layouts import Layouts
 from chunkmem.estimate.trace import ModelTrace
 from chunkmem.layout_update import WORKSPACE_ELEMENTS
 from chunkmem.ledger import WORKSPACE
-from chunkmem.packing import Packer
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
-from chunkmem.sizing import COMPUTE_DTYPES, ChunkSizes, separate_grads
+from chunkmem.sizing import COMPUTE_DTYPES, separate_grads
 
 ACTIVATIONS = "activations"
-
-
-@dataclass
-class Layouts:
-    """The chunk layouts a run packs, with the parameters in each."""
-
-    sizes: ChunkSizes
-    layouts: list[ChunkLayout]
-    layout_of: list[int]  # parameter index -> position in ``layouts``
-
-    @property
-    def trainable(self) -> list[int]:
-        return [i for i, layout in enumerate(self.layouts) if layout.trainable]
-
-
-def pack_layouts(
-    params: list[torch.nn.Parameter], trace: ModelTrace, sizes: ChunkSizes, alignment: int
-) -> Layouts:
-    """Pack ``params`` in the trace's first-use order with the engine's packer."""
-    counter = iter(range(1 << 62))
-    packers = {
-        trainable: Packer(sizes.size(trainable), trainable, lambda: next(counter), alignment)
-        for trainable in (True, False)
-    }
-    layout_of = [0] * len(params)
-    placed: dict[int, ChunkLayout] = {}
-    for i in trace.pack_order:
-        param = params[i]
-        _slot, layout, _created = packers[param.requires_grad].place(trace.names[i], param)
-        placed[i] = layout
-    layouts = sorted(
-        {id(layout): layout for layout in placed.values()}.values(), key=lambda layout: layout.index
-    )
-    position = {id(layout): k for k, layout in enumerate(layouts)}
-    for i, layout in placed.items():
-        layout_of[i] = position[id(layout)]
-    return Layouts(sizes, layouts, layout_of)
 
 
 @dataclass
