@@ -413,13 +413,12 @@ class Engine:
         Keys are those of ``module.state_dict()`` (tied parameters appear under each name).
         Under ZeRO the shards are gathered, so every rank must call it.
         """
-        values = {layout.index: self.params.layout_values(layout) for layout in self.params.layouts}
+        values = self.params.parameter_values()
         state = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            slot = self.params.slot_of(value) if isinstance(value, torch.nn.Parameter) else None
-            if slot is not None:
-                flat = values[slot.layout.index][slot.offset : slot.offset + slot.numel]
-                state[key] = flat.view(slot.shape).clone()
+            packed = values.get(id(value)) if isinstance(value, torch.nn.Parameter) else None
+            if packed is not None:
+                state[key] = packed.clone()
             else:
                 state[key] = value.detach().to("cpu", copy=True)
         return state
@@ -522,11 +521,10 @@ class Engine:
         params = self.params
         if not params.all_packed:
             params.pack_remaining(self.residency.tiers.spill)
-        values = {layout.index: params.layout_values(layout) for layout in params.layouts}
-        for slot in params.slots.values():
-            flat = values[slot.layout.index][slot.offset : slot.offset + slot.numel]
-            dtype, device = params.original[id(slot.param)]
-            slot.param.data = flat.view(slot.shape).to(device=device, dtype=dtype, copy=True)
+        values = params.parameter_values()
+        for key, slot in params.slots.items():
+            dtype, device = params.original[key]
+            slot.param.data = values[key].to(device=device, dtype=dtype, copy=True)
             slot.bound = False
 
     def chunk_summary(self) -> dict[str, Any]:

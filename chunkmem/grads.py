@@ -84,12 +84,12 @@ class GradStore:
         nbytes = 0 if counted else grad.nelement() * grad.element_size()
         meter.add(nbytes)
         try:
-            residency.on_nonmodel_growth()
+            residency.room.on_nonmodel_growth()
             home = self.home(slot)
             if home.on_device and home.pending_event is None:
-                residency.touch(home)
+                residency.room.touch(home)
             else:
-                residency.ensure_on_device([home])
+                residency.room.ensure_on_device([home])
             view = home.view(slot)
             if slot.grad_contributions > slot.grad_reduced:
                 view.add_(grad)
@@ -113,7 +113,7 @@ class GradStore:
         master = chunks[ChunkKind.MASTER]
         slot.needs_grad_chunk = True
         grad_chunk = self.home(slot)
-        self.residency.ensure_on_device([param_chunk, grad_chunk])
+        self.residency.room.ensure_on_device([param_chunk, grad_chunk])
         grad_chunk.view(slot).copy_(param_chunk.view(slot))
         param_chunk.view(slot).copy_(self._master_value(master, slot))
         slot.grad_in_param_slot = False

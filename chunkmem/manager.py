@@ -50,12 +50,12 @@ class ChunkManager:
         """A module's pre-forward / pre-backward or a step: the last moment's pins end."""
         self.residency.release_transient_pins()
         self.gatherer.moment_over()
-        self.residency.enter_moment(moment)
+        self.residency.room.enter_moment(moment)
         if moment.phase is not Phase.STEP:
             self.gatherer.before_access()
 
     def after_access(self) -> None:
-        self.residency.after_access()
+        self.residency.room.after_access()
         self.gatherer.after_access()
 
     # ------------------------------------------------------------------ access / release
@@ -77,7 +77,9 @@ class ChunkManager:
                 slot = self._slot_for_access(param)
             slots.append(slot)
         kind = self.params.compute_kind
-        self.residency.ensure_on_device(list(dict.fromkeys(s.layout.chunks[kind] for s in slots)))
+        self.residency.room.ensure_on_device(
+            list(dict.fromkeys(s.layout.chunks[kind] for s in slots))
+        )
         for slot in slots:
             slot.users += 1
             if slot.state is not TensorState.COMPUTE:
@@ -135,7 +137,7 @@ class ChunkManager:
         for slots in released.values():
             self.gatherer.released(slots[0].layout, slots, state)
         if released:
-            self.residency.after_release()
+            self.residency.room.after_release()
 
     def release_all(self, state: TensorState) -> None:
         """End of backward: whatever is still in COMPUTE goes to ``state``."""
@@ -162,7 +164,7 @@ class ChunkManager:
     def materialize(self, param: torch.nn.Parameter) -> None:
         """On-demand access outside module hooks; pinned until the next moment."""
         chunk = self.params.compute_chunk(self._slot_for_access(param))
-        self.residency.ensure_on_device([chunk])
+        self.residency.room.ensure_on_device([chunk])
         self.residency.pin_until_next_moment(chunk)
 
     def unpack_view(self, chunk: Chunk, storage_offset: int) -> torch.Tensor:
@@ -172,7 +174,7 @@ class ChunkManager:
         if slot.grad_in_param_slot:
             self.grads.repair(slot)
         if not chunk.on_device:
-            self.residency.ensure_on_device([chunk])
+            self.residency.room.ensure_on_device([chunk])
         self.residency.ready(chunk)
         self.residency.pin_until_next_moment(chunk)
         assert chunk.payload is not None

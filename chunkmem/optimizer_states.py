@@ -90,7 +90,7 @@ class OptimizerStates:
             largest = max(layout.capacity for layout in self.params.layouts)
             dynamic += 2 * largest * self.params.compute_dtype.itemsize
         on_device = optimizer_state_device_groups(
-            self.residency.placement.capacity,
+            self.residency.room.placement.capacity,
             peak_nonmodel,
             dynamic,
             [n * (8 + master_bytes) for n in elements[:rest]],
@@ -123,14 +123,14 @@ class OptimizerStates:
         master = layout.chunks.get(ChunkKind.MASTER)
         if master is not None and home is not master.tier:
             if home.compute:
-                residency.make_room(master.nbytes, set(), "optimizer home", "capacity")
+                residency.room.make_room(master.nbytes, set(), "optimizer home", "capacity")
             residency.move(master, home, "optimizer home")
         for kind in _MOMENTS:
             nbytes = span[1] * dtype.itemsize
             if home.compute:
-                residency.make_room(nbytes, set(), "optimizer home", "capacity")
+                residency.room.make_room(nbytes, set(), "optimizer home", "capacity")
             else:  # parameters the recording cycle evicted may go back to a roomy device
-                residency.make_tier_room(first, nbytes, set(), "capacity")
+                residency.room.make_tier_room(first, nbytes, set(), "capacity")
             chunk = residency.new_chunk(layout, kind, dtype, first, span)
             preloaded = self._preloaded.get((layout.index, kind))
             if preloaded is not None:
@@ -225,11 +225,11 @@ class OptimizerStates:
         residency = self.residency
         if home.compute:
             for chunk in storage:
-                residency.touch(chunk)
-            residency.ensure_on_device(storage)
+                residency.room.touch(chunk)
+            residency.room.ensure_on_device(storage)
         elif ChunkKind.MASTER not in chunks:
             for chunk in storage:
-                residency.touch(chunk, on_device=False)
+                residency.room.touch(chunk, on_device=False)
                 residency.move(chunk, work, "step", reader_copies=reads is not None)
         states = [chunks[k] for k in STATE_KINDS if k in chunks]
         for chunk in states:

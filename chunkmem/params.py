@@ -131,7 +131,7 @@ class ParamStore:
         compute = chunks[self.compute_kind]
         residency = self.residency
         if compute.payload is None:  # a gathered copy dropped since the last slot was added
-            residency.ensure_on_device([compute])
+            residency.room.ensure_on_device([compute])
         residency.ready(compute)
         compute.view(slot).copy_(original)
         for kind in (ChunkKind.PARAM, ChunkKind.MASTER):
@@ -187,3 +187,13 @@ class ParamStore:
         full = torch.empty(layout.capacity, dtype=source.dtype, device=device)
         self.sharding.all_gather(payload, full)
         return full.cpu()
+
+    def parameter_values(self) -> dict[int, torch.Tensor]:
+        """Each packed parameter's current value on the CPU (as :meth:`layout_values`), in its
+        shape and keyed as ``slots``. The values are views of one tensor per layout, so a
+        caller that keeps one copies it. Under ZeRO every rank must call it."""
+        values = {layout.index: self.layout_values(layout) for layout in self.layouts}
+        return {
+            key: values[slot.layout.index][slot.offset : slot.offset + slot.numel].view(slot.shape)
+            for key, slot in self.slots.items()
+        }

@@ -130,7 +130,7 @@ class Placement:
     def recording_budget(self, tracer: Tracer, static_bytes: int) -> int:
         """While a trace is recorded: the device less the highest non-model bytes this cycle
         has shown so far (plus margin). Activations not seen yet may outgrow it; the pressure
-        valve then evicts chunks no moment is using (``Residency.on_nonmodel_growth``), so the
+        valve then evicts chunks no moment is using (``Room.on_nonmodel_growth``), so the
         device overflows only if one moment's own chunks and activations exceed it.
 
         [Note: the first cycle looks like the steady one] A budget of zero while recording

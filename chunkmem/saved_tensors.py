@@ -66,7 +66,7 @@ class ActivationCounter:
         self._meter.add(nbytes)
         # Built before the capacity check: if that raises, the holder's __del__ undoes the count.
         holder = _SavedActivation(key, storage_key, self)
-        self._residency.on_nonmodel_growth()
+        self._residency.room.on_nonmodel_growth()
         return holder
 
     def tensor(self, key: int) -> torch.Tensor:

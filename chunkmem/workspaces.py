@@ -15,7 +15,8 @@ from chunkmem.ledger import WORKSPACE
 from chunkmem.tiers import StorageTier
 
 if TYPE_CHECKING:
-    from chunkmem.residency import Residency, RoomLimit
+    from chunkmem.residency import Residency
+    from chunkmem.room import RoomLimit
 
 
 class Workspaces:
@@ -33,14 +34,14 @@ class Workspaces:
         within: RoomLimit = "budget",
         kind: str = WORKSPACE,
     ) -> torch.Tensor:
-        """A scratch buffer on ``tier``; ``within`` as for :meth:`Residency.make_room`; ``kind`` is what
+        """A scratch buffer on ``tier``; ``within`` as for :meth:`Room.make_room`; ``kind`` is what
         the ledger and the report call its bytes."""
         nbytes = numel * dtype.itemsize
         if tier.compute:
-            self._residency.make_room(nbytes, protect, "workspace", within)
+            self._residency.room.make_room(nbytes, protect, "workspace", within)
             self._residency.nonmodel.trace_peak()
         else:
-            self._residency.make_tier_room(tier, nbytes, protect, within)
+            self._residency.room.make_tier_room(tier, nbytes, protect, within)
         self._residency.ledger.allocate(tier.name, kind, nbytes, f"a {kind}", kind)
         buffer = tier.allocate(numel, dtype)
         if tier.compute:

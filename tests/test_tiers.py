@@ -97,9 +97,9 @@ def test_the_new_tier_enforces_its_own_capacity() -> None:
 def test_the_report_lists_the_new_tier_and_its_direction() -> None:
     residency = residency_with_second_host_pool(pool_capacity=None)
     chunk = new_param_chunk(residency, 0)
-    residency.enter_moment(Moment(Phase.FORWARD, "a"))
+    residency.room.enter_moment(Moment(Phase.FORWARD, "a"))
     residency.move(chunk, residency.tiers["pool"], "test")
-    residency.enter_moment(Moment(Phase.FORWARD, "b"))
+    residency.room.enter_moment(Moment(Phase.FORWARD, "b"))
     summary = RunSummary("simulated", "fp32", 0, 1.0, {}, NO_CHUNKS, 0, None, [], 0, 0)
     doc = build_memory_trace(summary, residency.ledger)
     assert list(doc["summary"]["tiers"]) == ["device", "host", "pool"]
@@ -110,11 +110,13 @@ def test_the_report_lists_the_new_tier_and_its_direction() -> None:
 
 
 def test_residency_names_no_tier() -> None:
-    """Residency decides by the tiers' data (compute, the spill tier), never by a name."""
-    source = Path(__file__).resolve().parents[1] / "chunkmem" / "residency.py"
+    """Residency and its room decide by the tiers' data (compute, the spill tier), never by a
+    name."""
+    package = Path(__file__).resolve().parents[1] / "chunkmem"
     literals = {
         node.value
-        for node in ast.walk(ast.parse(source.read_text()))
+        for module in ("residency.py", "room.py")
+        for node in ast.walk(ast.parse((package / module).read_text()))
         if isinstance(node, ast.Constant) and isinstance(node.value, str)
     }
     assert not literals & {"device", "host", "nvme"}

@@ -136,7 +136,7 @@ class GatherUpdatedShards(ParamGatherer):
 
     def after_update(self, layout: ChunkLayout) -> None:
         param = layout.chunks[ChunkKind.PARAM]
-        self.residency.ensure_on_device([param])
+        self.residency.room.ensure_on_device([param])
         start, numel = self.sharding.shard(layout)
         param.pin()
         self._gathering.append(param)
@@ -203,7 +203,7 @@ class GatherForCompute(ParamGatherer):
     def _launch(self, chunk: Chunk, phase: Phase, async_op: bool) -> Waitable:
         """Launch the gather of every rank's shard into ``chunk`` (for a moment of ``phase``)."""
         shard = chunk.layout.chunks[ChunkKind.PARAM]
-        self.residency.ensure_on_device([shard])
+        self.residency.room.ensure_on_device([shard])
         return self.weights.start(
             shard.payload, chunk.payload, phase=phase.value, async_op=async_op
         )
@@ -265,7 +265,7 @@ class GatherForCompute(ParamGatherer):
             if chunk is not None and chunk.kind is GATHERED and on_device and not chunk.on_device:
                 return
         for chunk, phase in self._next_gathers():
-            if not residency.room_ahead(chunk.nbytes, 1):
+            if not residency.room.room_ahead(chunk.nbytes, 1):
                 return
             self.life(chunk.layout).unshard(phase, async_op=True)
 
@@ -276,7 +276,7 @@ class GatherForCompute(ParamGatherer):
         if not self.tracer.replaying:
             return
         for chunk, phase in self._next_gathers():
-            self.residency.make_room(chunk.nbytes, {chunk.id}, "prefetch")
+            self.residency.room.make_room(chunk.nbytes, {chunk.id}, "prefetch")
             self.life(chunk.layout).unshard(phase, async_op=True)
 
     # ------------------------------------------------------------------ reshard
@@ -348,7 +348,7 @@ class GatherForCompute(ParamGatherer):
             life.drop()  # built from the old values
         self._before_carry(layout)
         chunk = life.chunk
-        self.residency.make_room(chunk.nbytes, {chunk.id}, "prefetch", within="capacity")
+        self.residency.room.make_room(chunk.nbytes, {chunk.id}, "prefetch", within="capacity")
         life.unshard(Phase.FORWARD, async_op=True)
         self._carried.add(layout.index)
 

@@ -65,7 +65,7 @@ class HierarchicalGather(GatherForCompute):
         secondary = chunk.layout.chunks.get(HPZ_SECONDARY)
         if secondary is None or secondary.tier is None:
             return super()._launch(chunk, phase, async_op)
-        self.residency.ensure_on_device([secondary])
+        self.residency.room.ensure_on_device([secondary])
         secondary.pin()  # read by the gather until it completes
         try:
             handle = self.secondary.start(
@@ -95,7 +95,7 @@ class HierarchicalGather(GatherForCompute):
             )
         residency.ready(gathered)
         if secondary.tier is None:
-            residency.make_room(secondary.nbytes, {gathered.id}, "hpz secondary")
+            residency.room.make_room(secondary.nbytes, {gathered.id}, "hpz secondary")
             residency.allocate_payload(secondary, residency.compute, zeroed=False)
         with residency.pinned([secondary]):
             start = secondary.start

@@ -275,7 +275,7 @@ class ReduceScatterGrads(GradReducer):
             span = self.sharding.shard(layout)
             shard = self.residency.new_chunk(layout, GRAD_SHARD, grad.dtype, None, span)
         adds_to_shard = shard.tier is not None
-        self.residency.ensure_on_device([grad, shard])
+        self.residency.room.ensure_on_device([grad, shard])
         _zero_unwritten(grad)
         older = list(self._in_flight.values())
         self._in_flight[layout.index] = Reduction(

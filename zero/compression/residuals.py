@@ -33,7 +33,7 @@ class Residuals:
             chunk = self.residency.new_chunk(
                 layout, self.kind, torch.float32, self.residency.compute
             )
-        self.residency.ensure_on_device([chunk])
+        self.residency.room.ensure_on_device([chunk])
         chunk.pin()
         return chunk
 
