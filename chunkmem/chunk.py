@@ -239,12 +239,16 @@ class Chunk:
             self._all_views = [self.view(slot) for slot in self.layout.slots]
         return self._all_views
 
-    def span(self, slot: TensorSlot, lo: int, hi: int) -> torch.Tensor:
-        """Flat elements ``lo:hi`` of ``slot`` (slot coordinates), which this chunk covers."""
-        if self._payload is None:
+    def span(
+        self, slot: TensorSlot, lo: int, hi: int, within: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Flat elements ``lo:hi`` of ``slot`` (slot coordinates), which this chunk covers; of
+        ``within`` instead of the payload where given (a tensor laid out like it)."""
+        payload = self._payload if within is None else within
+        if payload is None:
             raise RuntimeError(f"{self!r} has no payload; it must be fetched before use")
         begin = slot.offset + lo - self.start
-        return self._payload[begin : begin + hi - lo]
+        return payload[begin : begin + hi - lo]
 
     def movable(self) -> bool:
         """Only chunks whose tensors are all in a HOLD state (or FREE) and that no one pins.

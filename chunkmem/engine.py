@@ -203,7 +203,6 @@ class Engine:
             self._begin_cycle(("train", input_signature(args, kwargs)))
         recording = not self.tracer.replaying
         try:
-            self.reducer.begin_forward()
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 mode = (
                     UnhookedAccessMode(self.manager, self.hooks)

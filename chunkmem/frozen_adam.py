@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.host_optim import NewStates
+
 SLICE_ELEMENTS = 1 << 18  # fp32 temporaries of 1 MiB each
 
 
@@ -44,6 +46,7 @@ def frozen_variance_adam_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     params_out: Sequence[torch.Tensor] | None = None,
+    new_states: NewStates | None = None,
     num_threads: int | None = None,
 ) -> None:
     """One Adam (``decoupled``: AdamW) step in place that reads ``exp_avg_sqs`` and leaves them
@@ -56,13 +59,22 @@ def frozen_variance_adam_(
 
     ``momentum_in_gradients`` (DGC's momentum correction): the gradients already are a momentum
     of that decay, started when the variance froze, so they become the first moment as they
-    are, bias-corrected by ``1 - momentum ** steps_frozen`` instead of Adam's."""
+    are, bias-corrected by ``1 - momentum ** steps_frozen`` instead of Adam's.
+
+    ``new_states`` (an update out of place, as the host kernels take it): the inputs are
+    copied there and updated, and stay as they were."""
     if amsgrad or maximize or max_exp_avg_sqs or found_inf is not None:
         raise ValueError(
             "the frozen-variance update supports neither amsgrad, maximize nor found_inf"
         )
     if steps_frozen < 1:
         raise ValueError(f"steps_frozen must be >= 1 (this step is frozen), got {steps_frozen}")
+    if new_states is not None:
+        torch._foreach_copy_(
+            [*new_states.params, *new_states.exp_avgs, *new_states.exp_avg_sqs],
+            [*params, *exp_avgs, *exp_avg_sqs],
+        )
+        params, exp_avgs, exp_avg_sqs = new_states
     scale = None if grad_scale is None else float(grad_scale)
     for index, param in enumerate(params):
         step = float(state_steps[index])

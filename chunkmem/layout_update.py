@@ -98,6 +98,9 @@ class LayoutUpdate:
         # Run on the update's thread once its reads are in, before the kernels (a speculative
         # update copies what it will overwrite: offload/speculation.py).
         self.before_run: list[Callable[[], None]] = []
+        # Run when the step takes an update begun early (a speculative one's new states, written
+        # out of place, take their chunks' place).
+        self.on_stand: list[Callable[[], None]] = []
         self.pending: Future | None = None  # the run, when another thread does it
         self.finished = False
         # An early update measures the gradients it is about to consume, for the step's
@@ -124,6 +127,12 @@ class LayoutUpdate:
         """Until a run on another thread is done; raises what it raised."""
         if self.pending is not None:
             self.pending.result()
+
+    def stand(self) -> None:
+        """The step takes this update, run and finished (see :attr:`on_stand`)."""
+        assert self.finished
+        for hook in self.on_stand:
+            hook()
 
     def finish(self, completed: bool = True) -> None:
         """After a completed run, copy new values where they live; release the chunks
@@ -187,10 +196,13 @@ class UpdateBuilder:
         pieces: list[Piece],
         divisor: float,
         defer_reads: bool = False,
+        into: dict[ChunkKind, torch.Tensor] | None = None,
     ) -> LayoutUpdate:
         """Chunks ready and pinned on the work tier, step counts advanced, kernel calls
         built. ``defer_reads``: states still being read from their home are waited for in
-        ``run`` (on its thread), not here."""
+        ``run`` (on its thread), not here. ``into``: host tensors laid out like the payloads
+        of those chunk kinds, which receive their new values (the chunks are only read: an
+        update out of place, which only the native host kernels take)."""
         stack = contextlib.ExitStack()
         reads: list[Waitable] = []
         try:
@@ -209,6 +221,10 @@ class UpdateBuilder:
                 else torch.tensor(divisor, dtype=torch.float32, device=device)
             )
             kernels = None if work.compute else self.host_kernels()
+            if into and kernels is None:
+                raise ValueError(
+                    "an update out of place needs the native host optimizer on host memory"
+                )
             if kernels is None:
                 calls = [
                     functools.partial(
@@ -219,7 +235,7 @@ class UpdateBuilder:
                 grads: list[torch.Tensor] = []
             else:
                 calls, after, grads = self._host_calls(
-                    kernels, chunks, pieces, step_of, grad_scale, work, stack
+                    kernels, chunks, pieces, step_of, grad_scale, work, stack, into or {}
                 )
         except BaseException:
             stack.close()
@@ -242,11 +258,14 @@ class UpdateBuilder:
         grad_scale: torch.Tensor | None,
         work: StorageTier,
         stack: contextlib.ExitStack,
+        into: dict[ChunkKind, torch.Tensor],
     ) -> tuple[list[Callable[[], None]], list[Callable[[], None]], list[torch.Tensor]]:
         """The native kernel calls of a layout updated in host memory, one per parameter
-        group, what ``finish`` does after them, and the gradients the calls read. With fp32 masters it is one pass from the
-        16-bit gradients to the 16-bit parameters, through host buffers where those live on a
-        GPU; pieces are passed whole, so the bits are torch's fused kernel's on them."""
+        group, what ``finish`` does after them, and the gradients the calls read. With fp32
+        masters it is one pass from the 16-bit gradients to the 16-bit parameters, through
+        host buffers where those live on a GPU; pieces are passed whole, so the bits are
+        torch's fused kernel's on them. The kinds of ``into`` are written there (see
+        :meth:`prepare`)."""
         grad_source = self.grads.reducer.grad_source
         sources = [grad_source(s) for s, _lo, _hi in pieces]
         grads = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
@@ -272,6 +291,17 @@ class UpdateBuilder:
             )
         exp_avgs = spans(chunks[ChunkKind.EXP_AVG], pieces)
         exp_avg_sqs = spans(chunks[ChunkKind.EXP_AVG_SQ], pieces)
+        new = None
+        if into:
+            value = ChunkKind.MASTER if mixed else ChunkKind.PARAM
+            new = [
+                spans(chunks[kind], pieces, into[kind]) if kind in into else read
+                for kind, read in (
+                    (value, params),
+                    (ChunkKind.EXP_AVG, exp_avgs),
+                    (ChunkKind.EXP_AVG_SQ, exp_avg_sqs),
+                )
+            ]
         kernel = self._frozen_variance_kernel() or (
             kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
         )
@@ -289,6 +319,9 @@ class UpdateBuilder:
                     **self._hyper_parameters(group_index),
                     grad_scale=grad_scale,
                     params_out=None if outs is None else [outs[i] for i in positions],
+                    new_states=None
+                    if new is None
+                    else kernels.NewStates(*([t[i] for i in positions] for t in new)),
                     num_threads=self.host_threads,
                 )
             )
@@ -464,8 +497,11 @@ def owned_pieces(
     return pieces
 
 
-def spans(chunk: Chunk, pieces: Sequence[Piece]) -> list[torch.Tensor]:
-    return [chunk.span(slot, lo, hi) for slot, lo, hi in pieces]
+def spans(
+    chunk: Chunk, pieces: Sequence[Piece], within: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """The pieces of ``chunk`` (of ``within``, laid out like its payload, where given)."""
+    return [chunk.span(slot, lo, hi, within) for slot, lo, hi in pieces]
 
 
 def cut(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:

@@ -40,6 +40,7 @@ from chunkmem.layout_update import (
     fp32_norms,
     owned_pieces,
 )
+from chunkmem.tiers import StorageTier
 from chunkmem.tracer import Moment, Phase
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
@@ -51,11 +52,7 @@ class SpeculationLike(Protocol):
     @property
     def active(self) -> bool: ...
 
-    def reserve(self, layout: ChunkLayout, pieces: list[Piece]) -> Any: ...
-
-    def take_ahead(
-        self, layout: ChunkLayout, pieces: list[Piece], submit: Callable[..., Future]
-    ) -> None: ...
+    def reserve(self, layout: ChunkLayout, pieces: list[Piece], home: StorageTier) -> Any: ...
 
     def commit(self) -> None: ...
 
@@ -150,12 +147,14 @@ class ChunkAdam:
         divisor = grad_divisor * self.sharding.world_size
         layouts = self.params.trainable_layouts()
         try:
+            self._finish_staged_early()
             for position, layout in enumerate(layouts):
                 pieces = owned_pieces(layout, self.states.state_span(layout))
                 early = self.launched.get(layout.index)
                 if early is not None:
                     early.wait()
                     early.finish()
+                    early.stand()
                     del self.launched[layout.index]
                     # Gradients that arrived after the early start (a parameter that had none
                     # in the cycle before) are updated now: Adam is elementwise.
@@ -197,11 +196,15 @@ class ChunkAdam:
             return False
         snapshot = None
         if self.speculation is not None:
-            snapshot = self.speculation.reserve(layout, pieces)
+            snapshot = self.speculation.reserve(layout, pieces, self.states.home(layout))
             if snapshot is None:
                 return False  # no room to make it undoable: it waits for the step's norm
         update = self.updates.prepare(
-            layout, pieces, self.loss_scale * self.sharding.world_size, defer_reads=True
+            layout,
+            pieces,
+            self.loss_scale * self.sharding.world_size,
+            defer_reads=True,
+            into=None if snapshot is None else snapshot.shadows,
         )
         if snapshot is not None:
             snapshot.attach(update)
@@ -214,25 +217,14 @@ class ChunkAdam:
         update.pending.add_done_callback(lambda _run: self._ran.append(update))
         return True
 
-    def take_ahead(
-        self, layouts: list[ChunkLayout], submit: Callable[[Callable[[], None]], Future]
-    ) -> None:
-        """A forward starts: where early updates are speculative, copy the states of the
-        ``layouts`` whose updates run on the host, where those states live, through
-        ``submit`` (offload/speculation.py, [Note: copies taken ahead])."""
-        if self.speculation is None or self.states.homes is None:
-            return
-        if self.updates.host_kernels() is None:
-            return
-        for layout in layouts:
-            home = self.states.home(layout)
-            if home.compute or not home.addressable:
-                continue
-            # Before backward no slot has a gradient: the update's pieces are those of every
-            # slot as a rule (else the copy is dropped and the update takes its own).
-            pieces = owned_pieces(layout, self.states.state_span(layout), with_grads_only=False)
-            if pieces:
-                self.speculation.take_ahead(layout, pieces, submit)
+    def _finish_staged_early(self) -> None:
+        """Finish the early update whose states were read in from NVMe (offload/overlap.py
+        starts one at a time) before the step reads any: two groups' states in host memory
+        at most, the one updating and the next read ahead."""
+        for update in self.launched.values():
+            if not self.states.home(update.layout).addressable:
+                update.wait()
+                update.finish()
 
     def wait_early(self, layout: ChunkLayout) -> None:
         """Before anything writes ``layout``'s gradient chunks again: its early run is over."""

@@ -175,6 +175,23 @@ class Residency:
         """The device chunk whose payload ``tensor`` aliases, if any."""
         return self._device_storage.get(tensor.untyped_storage().data_ptr())
 
+    def swap_payload(self, chunk: Chunk, replacement: torch.Tensor) -> torch.Tensor:
+        """Make ``replacement`` (a buffer of the chunk's tier, laid out like its payload and
+        already accounted by its owner) the chunk's payload; returns the payload it replaced,
+        which the caller now owns. The ledger's bytes do not change: only which buffer is
+        which (a speculative update taken out of place: offload/speculation.py)."""
+        payload, tier = chunk.payload, chunk.tier
+        if payload is None or tier is None or tier.compute:
+            raise ValueError(f"{chunk!r} has no host payload to swap (tier {tier})")
+        if replacement.numel() != payload.numel() or replacement.dtype != payload.dtype:
+            raise ValueError(
+                f"{chunk!r} holds {payload.numel()} {payload.dtype} elements; its replacement "
+                f"holds {replacement.numel()} {replacement.dtype}"
+            )
+        self.ready(chunk)
+        self._set_payload(chunk, replacement, tier, free_old=False)
+        return payload
+
     def ready(self, chunk: Chunk) -> None:
         """Wait for an async copy or collective into the chunk's payload, if one is in flight."""
         if chunk.arriving is not None:

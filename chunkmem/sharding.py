@@ -145,9 +145,6 @@ class ParamGatherer:
 class GradientsListener(Protocol):
     """Hears, in the last micro-batch's backward, when a layout's gradients are final."""
 
-    def forward(self) -> None:
-        """A training forward starts: no gradient is final before its backward."""
-
     def begin(self) -> None:
         """A backward whose gradients the next update reads starts."""
 
@@ -268,11 +265,6 @@ class GradReducer:
         """The chunk holding ``slot``'s gradient for the update (for this rank's span)."""
         chunks = slot.layout.chunks
         return chunks[ChunkKind.PARAM] if slot.grad_in_param_slot else chunks[ChunkKind.GRAD]
-
-    def begin_forward(self) -> None:
-        """A training forward starts."""
-        if self.listener is not None:
-            self.listener.forward()
 
     def begin_backward(self, final_micro_batch: bool) -> None:
         """A backward starts; the last micro-batch of an accumulation window is final."""

@@ -28,11 +28,22 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
 from kernels._build import BuildError
 from kernels._native import CPU_FLAGS, DTYPE_CODES, build_and_load_cpu
+
+
+class NewStates(NamedTuple):
+    """Where an update out of place writes: the new fp32 parameters and the new moments, one
+    tensor for each input tensor, of its size and dtype (the inputs are only read)."""
+
+    params: Sequence[torch.Tensor]
+    exp_avgs: Sequence[torch.Tensor]
+    exp_avg_sqs: Sequence[torch.Tensor]
+
 
 # -fno-math-errno lets sqrtf be one instruction (no errno branch); it changes no result.
 HOST_OPTIM_FLAGS = [*CPU_FLAGS, "-fno-math-errno"]
@@ -46,9 +57,10 @@ _STATUS = {1: "invalid argument", 2: "out of memory"}
 _ptrs, _numels_t = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64)
 _i32, _f64, _ptr = ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _SIGNATURES = {
-    # params, grads, exp_avgs, exp_avg_sqs, params_out, steps; numels; count, grad, state and out
-    # dtypes; lr, beta1, beta2, weight_decay, eps; decoupled, grad_scale, num_threads
-    "adam": [*[_ptrs] * 6, _numels_t, *[_i32] * 4, *[_f64] * 5, _i32, _ptr, _i32],
+    # params, grads, exp_avgs, exp_avg_sqs, params_out, new_params, new_exp_avgs,
+    # new_exp_avg_sqs, steps; numels; count, grad, state and out dtypes; lr, beta1, beta2,
+    # weight_decay, eps; decoupled, grad_scale, num_threads
+    "adam": [*[_ptrs] * 9, _numels_t, *[_i32] * 4, *[_f64] * 5, _i32, _ptr, _i32],
     # params, grads, momentum_buffers, params_out; numels; count, grad, state and out dtypes; lr,
     # momentum, dampening, weight_decay; nesterov, first_step, grad_scale, num_threads
     "sgd": [*[_ptrs] * 4, _numels_t, *[_i32] * 4, *[_f64] * 4, _i32, _i32, _ptr, _i32],
@@ -127,6 +139,7 @@ def fused_adamw_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     params_out: Sequence[torch.Tensor] | None = None,
+    new_states: NewStates | None = None,
     num_threads: int | None = None,
 ) -> None:
     """AdamW (decoupled weight decay) in place: ``torch._fused_adamw_`` on the host.
@@ -134,8 +147,10 @@ def fused_adamw_(
     ``state_steps`` hold each tensor's step count, already incremented (the kernel reads
     them). With ``grad_scale``, gradients are divided by it, and fp32 gradients are left
     divided, as torch leaves them. If ``found_inf`` holds 1.0 nothing is touched. ``amsgrad``
-    and ``maximize`` are not supported (``max_exp_avg_sqs`` must be empty). ``num_threads``
-    defaults to ``torch.get_num_threads()``.
+    and ``maximize`` are not supported (``max_exp_avg_sqs`` must be empty). ``new_states``:
+    where the new parameters and moments go, the inputs left as they were (an update out of
+    place, bit for bit the one in place: ``host_optim_cpu.cpp``, [Note: updates out of
+    place]). ``num_threads`` defaults to ``torch.get_num_threads()``.
     """
     _adam(**locals(), decoupled=True)
 
@@ -158,6 +173,7 @@ def fused_adam_(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
     params_out: Sequence[torch.Tensor] | None = None,
+    new_states: NewStates | None = None,
     num_threads: int | None = None,
 ) -> None:
     """Adam with L2 weight decay (added to the gradient) in place: ``torch._fused_adam_`` on
@@ -245,6 +261,7 @@ def _adam(
     grad_scale,
     found_inf,
     params_out,
+    new_states,
     num_threads,
     decoupled: bool,
 ) -> None:
@@ -261,9 +278,12 @@ def _adam(
             f"both states must have one dtype"
         )
     _check_steps(state_steps, count)
+    if new_states is not None:
+        _check_new_states(new_states, params, exp_avgs)
     threads = _threads(num_threads)
     if _skipped(grad_scale, found_inf) or count == 0:
         return
+    outputs = (params, exp_avgs, exp_avg_sqs) if new_states is None else new_states
     _library().call(
         "adam",
         _addresses(params),
@@ -271,6 +291,7 @@ def _adam(
         _addresses(exp_avgs),
         _addresses(exp_avg_sqs),
         _addresses(params_out) if params_out else None,
+        *([None] * 3 if new_states is None else [_addresses(t) for t in new_states]),
         _addresses(state_steps),
         _numels(params),
         count,
@@ -287,7 +308,10 @@ def _adam(
         threads,
     )
     _mark_modified(
-        params, [*exp_avgs, *exp_avg_sqs], params_out, grads if grad_scale is not None else None
+        outputs[0],
+        [*outputs[1], *outputs[2]],
+        params_out,
+        grads if grad_scale is not None else None,
     )
 
 
@@ -367,6 +391,16 @@ def _check_params(params, grads, params_out) -> int:
 
 def _check_states(name: str, states: Sequence[torch.Tensor], params) -> None:
     _check_list(name, states, params, STATE_DTYPES)
+
+
+def _check_new_states(new_states: NewStates, params, exp_avgs) -> None:
+    """The outputs of an update out of place: shaped like the inputs, of their dtypes."""
+    if not isinstance(new_states, NewStates):
+        raise TypeError(f"new_states must be a NewStates, got {type(new_states).__name__}")
+    _check_list("new_states.params", new_states.params, params, (torch.float32,))
+    dtype = exp_avgs[0].dtype if exp_avgs else torch.float32
+    _check_list("new_states.exp_avgs", new_states.exp_avgs, params, (dtype,))
+    _check_list("new_states.exp_avg_sqs", new_states.exp_avg_sqs, params, (dtype,))
 
 
 def _check_scalar(name: str, t: object) -> None:

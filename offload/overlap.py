@@ -12,7 +12,7 @@ its own chunks, and the kernels' results do not depend on when or on which threa
 
 [Note: what makes an update speculative] Global-norm clipping, fp16's overflow check and
 ``nonfinite: skip`` need every gradient before any update. With any of them the early updates
-are speculative (``offload/speculation.py``): each first copies what it will overwrite, and
+are speculative (``offload/speculation.py``): each writes its new states out of place, and
 when the norm is known they stand or are undone exactly and the step runs serially. With none
 of them (and the default ``nonfinite: raise``) an early update is final: a non-finite gradient
 found after updates began stops the engine, and ``engine.discard()`` after such a backward
@@ -64,15 +64,6 @@ class OverlappedStep:
         self.started = 0  # updates started early, over the run
         reducer.listener = self
 
-    def forward(self) -> None:
-        """The host thread is idle until backward's first final gradients: copies that make
-        this step's speculative updates undoable are taken now, in the order the layouts
-        became final last cycle (offload/speculation.py, [Note: copies taken ahead])."""
-        self._trainable = None  # parameters may have been frozen or unfrozen since
-        if self.optimizer.speculation is None:
-            return  # every forward passes here: nothing to do without speculation
-        self.optimizer.take_ahead(self._layouts(self._now or self._order), self._executor.submit)
-
     def begin(self) -> None:
         if self._now:
             self._order = self._now
@@ -98,13 +89,26 @@ class OverlappedStep:
             return
         waiting, self._waiting = self._waiting, []
         for layout in waiting:
-            if not optimizer.states.can_update_now(layout):
+            if not optimizer.states.can_update_now(layout) or not self._staging_room(layout):
                 self._waiting.append(layout)
             elif optimizer.start_early(layout, self._executor.submit):
                 self.started += 1
                 upcoming = self._next_after(layout.index)
                 if upcoming is not None:
                     optimizer.states.prefetch(upcoming)
+
+    def _staging_room(self, layout: ChunkLayout) -> bool:
+        """States homed on NVMe are read into host memory for an update: one such update in
+        flight at a time, beside the next one's read ahead, so that host memory holds two
+        groups' states read in, as in the serial step (and as ``chunkmem estimate`` counts),
+        however far the host thread lags behind backward."""
+        states = self.optimizer.states
+        if states.home(layout).addressable:
+            return True
+        return not any(
+            not update.finished and not states.home(update.layout).addressable
+            for update in self.optimizer.launched.values()
+        )
 
     def run_on_host_thread(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on the thread the updates run on (e.g. to pin it to a core)."""

@@ -13,156 +13,202 @@ neither clip (coefficient 1), overflow nor meet a non-finite value. When the nor
   step counts, 16-bit values, and gradients where they shared the parameter slot) and the
   step runs serially with the real coefficient, or is skipped.
 
-Adam's update is not invertible in floating point, so undoing means keeping the inputs: a
-speculated update first copies what it will overwrite into host buffers (:class:`Snapshot`):
-the fp32 masters (fp32 training: the parameters) and both moments of the elements it updates,
-and the 16-bit slots that hold gradients. Where the states live in host memory their copy is
-taken ahead, when the forward starts ([Note: copies taken ahead]); otherwise on the update's
-thread once the states are in host memory. Cost per element: 12 bytes of host memory in
-bf16/fp16 with fp32 states (8 with bf16 moments, +2 where a gradient sits in the parameter
-slot), in buffers kept per group from the first step that speculates to the engine's end (a
-standing reservation, which the ledger and ``chunkmem estimate`` count as held throughout:
-allocated afresh each step, every page was faulted in again, 27 ms for a 38 MB group on the
-2-core machine against 9 ms into kept buffers); bandwidth: one extra read and write of those
-bytes per speculated group, and on a rollback one more copy back before the serial update.
-``offload.speculation_bytes`` bounds the buffers: a group whose copy does not fit waits for
-the norm and is updated by the step. The results equal the serial step's bit for bit in every
-case: a commit keeps exactly the serial step's arithmetic (coefficient 1), a rollback restores
-every bit and then runs it.
+Adam's update is not invertible in floating point, so undoing means keeping the inputs. Where
+a group's states live in host memory its update is taken out of place: the kernel reads the
+chunks' fp32 values and moments and writes the new ones into *shadows*, buffers laid out like
+those chunks' payloads (``kernels/csrc/host_optim_cpu.cpp``, [Note: updates out of place]). A
+commit swaps each shadow with its chunk's payload when the step takes the update, and the old
+payload is the group's shadow at its next update; a rollback leaves the chunks as they are.
+What an update still overwrites in place is copied before its kernels (:class:`Snapshot`): the
+16-bit slots that hold gradients (the new parameters are rounded into them), the parameters of
+fp32 training (their chunk comes from the device for the update) and every state of a group
+homed on NVMe (staged: written back to its home as the update finishes).
+
+Cost, bf16/fp16 with fp32 states homed on the host: 12 bytes of host memory per element of
+the group's state chunks (8 with bf16 moments), whole chunks, padding included, kept
+per group from the first step that speculates to the engine's end (a standing reservation,
+which the ledger and ``chunkmem estimate`` count as held throughout), plus 2 bytes per
+element whose gradient sits in its parameter slot. Bandwidth: the update reads one buffer and
+writes another, the bytes it moves in place, and copies only what it does not update into the
+shadow (padding, parameters without a gradient) and the 16-bit gradients it overwrites; a
+rollback writes back those gradients and rounds the masters again. The states of a group homed on
+NVMe are copied instead (12 bytes per element updated, read and written once more, and once
+more on a rollback). ``offload.speculation_bytes`` bounds what is kept: a group that does not
+fit waits for the norm and is updated by the step. The results equal the serial step's bit for
+bit in every case: a commit keeps exactly the serial step's arithmetic (coefficient 1), a
+rollback restores every bit and then runs it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
-from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.layout_update import LayoutUpdate, Piece, spans
 from chunkmem.residency import Residency
 from chunkmem.staging import Staging
+from chunkmem.tiers import StorageTier
 
-SPECULATION = "speculation"  # the ledger's (and the report's) name for the copies' bytes
+SPECULATION = "speculation"  # the ledger's (and the report's) name for the kept buffers' bytes
+
+Target = tuple[ChunkKind, list[Piece]]  # a chunk kind and the pieces of it copied
+
+
+@dataclass
+class Kept:
+    """One group's buffers, kept across steps: a shadow for each state updated out of place
+    (by chunk kind: after a commit, the payload it replaced) and copy buffers by dtype."""
+
+    shadows: dict[ChunkKind, torch.Tensor] = field(default_factory=dict)
+    copies: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def serves(self, shadows: dict[ChunkKind, Chunk], copies: dict[torch.dtype, int]) -> bool:
+        """Whether these buffers hold a shadow for each chunk of ``shadows`` and room for
+        ``copies`` (elements by dtype)."""
+        if set(self.shadows) != set(shadows):
+            return False
+        if any(self.shadows[k].numel() != c.numel for k, c in shadows.items()):
+            return False
+        return all(
+            dtype in self.copies and self.copies[dtype].numel() >= numel
+            for dtype, numel in copies.items()
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [*self.shadows.values(), *self.copies.values()]
 
 
 class Snapshot:
-    """What one speculated group's update overwrites, copied before it runs: the states
-    (ahead of the update, while the forward runs, where they live in host memory; otherwise
-    on the update's thread before its kernels) and the 16-bit slots that hold gradients
-    (before the kernels: backward writes them)."""
+    """One speculated group's update made undoable: the shadows its new states go to (they
+    take their chunks' place when the step takes the update: :meth:`stand`) and copies of what
+    it overwrites in place, taken on the update's thread before its kernels (written back by
+    :meth:`restore`)."""
 
     def __init__(
-        self, layout: ChunkLayout, pieces: list[Piece], residency: Residency, buffers: dict
+        self,
+        layout: ChunkLayout,
+        pieces: list[Piece],
+        residency: Residency,
+        kept: Kept,
+        targets: list[Target],
+        copies: dict[torch.dtype, torch.Tensor],
     ) -> None:
         self.layout = layout
         self.pieces = pieces
         self.update: LayoutUpdate | None = None  # attached once prepared
-        self.ahead: Future | None = None  # the states' copy, when taken ahead
-        self.grad_slots: list[TensorSlot] = []  # known when the update is attached
+        self.grad_slots = [s for s, _lo, _hi in pieces if s.grad_in_param_slot]
+        self.targets = targets
         self._residency = residency
-        self._buffers = buffers  # dtype -> host tensor
+        self._kept = kept
+        self._copies = copies  # dtype -> host tensor, sized for the targets
         self._filled: dict[torch.dtype, int] = {}
         self._saved: list[tuple[ChunkKind, list[Piece], torch.Tensor]] = []
 
-    @staticmethod
-    def state_targets(
-        layout: ChunkLayout, pieces: list[Piece]
-    ) -> list[tuple[ChunkKind, list[Piece]]]:
-        """(chunk kind, pieces) of the values and moments the update overwrites."""
-        value = ChunkKind.MASTER if ChunkKind.MASTER in layout.chunks else ChunkKind.PARAM
-        return [(value, pieces), (ChunkKind.EXP_AVG, pieces), (ChunkKind.EXP_AVG_SQ, pieces)]
+    @property
+    def shadows(self) -> dict[ChunkKind, torch.Tensor]:
+        """Where the update writes the new values of these kinds (the rest: in place)."""
+        return self._kept.shadows
 
     @staticmethod
-    def slot_targets(
-        layout: ChunkLayout, pieces: list[Piece]
-    ) -> list[tuple[ChunkKind, list[Piece]]]:
-        """The 16-bit slots holding gradients that rounding the masters overwrites."""
+    def shadowed_kinds(layout: ChunkLayout, home: StorageTier) -> frozenset[ChunkKind]:
+        """The states updated out of place: those whose home is host memory (a home on NVMe
+        is staged and written back as the update finishes), the fp32 masters and both
+        moments, or in fp32 training the moments (the parameter chunk comes from the device
+        for the update)."""
+        if home.compute or not home.addressable:
+            return frozenset()
+        kinds = {ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ}
+        if ChunkKind.MASTER in layout.chunks:
+            kinds.add(ChunkKind.MASTER)
+        return frozenset(kinds)
+
+    @staticmethod
+    def copy_targets(
+        layout: ChunkLayout, pieces: list[Piece], shadowed: frozenset[ChunkKind]
+    ) -> list[Target]:
+        """What the update overwrites in place, copied first: the value (fp32 master, or the
+        fp32 parameter) and moments not shadowed, and the 16-bit slots holding gradients,
+        which rounding the masters overwrites."""
+        value = ChunkKind.MASTER if ChunkKind.MASTER in layout.chunks else ChunkKind.PARAM
+        targets = [
+            (kind, pieces)
+            for kind in (value, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+            if kind not in shadowed
+        ]
         in_slot = [p for p in pieces if p[0].grad_in_param_slot]
-        if ChunkKind.MASTER not in layout.chunks or not in_slot:
-            return []
-        return [(ChunkKind.PARAM, in_slot)]
+        if ChunkKind.MASTER in layout.chunks and in_slot:
+            targets.append((ChunkKind.PARAM, in_slot))
+        return targets
+
+    @staticmethod
+    def copy_elements(layout: ChunkLayout, targets: list[Target]) -> dict[torch.dtype, int]:
+        """Elements of each dtype the copies of ``targets`` take."""
+        needed: dict[torch.dtype, int] = {}
+        for kind, pieces in targets:
+            dtype = layout.chunks[kind].dtype
+            needed[dtype] = needed.get(dtype, 0) + sum(hi - lo for _s, lo, hi in pieces)
+        return needed
 
     @staticmethod
     def bytes_per_element(
-        masters: bool, state_itemsize: int, grad_in_param_slot: bool, compute_itemsize: int
-    ) -> int:
-        """Bytes of copy per element updated: the value (fp32 master, or the fp32 parameter),
-        both moments, and the 16-bit slot where it holds the gradient."""
-        value = 4
-        return (
-            value + 2 * state_itemsize + (compute_itemsize if masters and grad_in_param_slot else 0)
-        )
-
-    @staticmethod
-    def elements(layout: ChunkLayout, pieces: list[Piece]) -> dict[torch.dtype, int]:
-        """Elements of each dtype the copy needs: the 16-bit slots counted for every piece
-        where the layout has masters and no gradient chunk (its gradients sit in the slots,
-        which a copy taken ahead cannot know yet)."""
-        targets = Snapshot.state_targets(layout, pieces)
-        chunks = layout.chunks
-        if ChunkKind.MASTER in chunks and ChunkKind.GRAD not in chunks:
-            targets.append((ChunkKind.PARAM, pieces))
-        else:
-            targets.extend(Snapshot.slot_targets(layout, pieces))
-        needed: dict[torch.dtype, int] = {}
-        for kind, kind_pieces in targets:
-            dtype = chunks[kind].dtype
-            needed[dtype] = needed.get(dtype, 0) + sum(hi - lo for _s, lo, hi in kind_pieces)
-        return needed
+        masters: bool,
+        state_itemsize: int,
+        grad_in_param_slot: bool,
+        compute_itemsize: int,
+        on_host: bool,
+    ) -> tuple[int, int]:
+        """(bytes of shadow per element of a state chunk, bytes of copy per element updated)
+        for a group whose states are homed in host memory (``on_host``) or on NVMe."""
+        value = 4  # the fp32 master, or the fp32 parameter
+        slot = compute_itemsize if masters and grad_in_param_slot else 0
+        if not on_host:
+            return 0, value + 2 * state_itemsize + slot
+        if masters:
+            return value + 2 * state_itemsize, slot
+        return 2 * state_itemsize, value
 
     def attach(self, update: LayoutUpdate) -> None:
-        """``update`` (prepared from these pieces) takes the copy when it runs."""
+        """``update`` (prepared from these pieces, writing to :attr:`shadows`) takes the
+        copies when it runs, and makes the shadows the states when the step takes it."""
         self.update = update
-        self.grad_slots = [s for s, _lo, _hi in self.pieces if s.grad_in_param_slot]
         update.before_run.append(self.take)
-
-    @staticmethod
-    def ahead_kinds(layout: ChunkLayout) -> frozenset[ChunkKind]:
-        """The states a copy taken ahead holds: those in host memory while the forward runs,
-        every one with fp32 masters, the moments in fp32 training (its parameter chunk, the
-        value, is on the device then and is copied with the update)."""
-        if ChunkKind.MASTER in layout.chunks:
-            return frozenset((ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ))
-        return frozenset((ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ))
-
-    def take_states(self) -> None:
-        """Copy the states of :meth:`ahead_kinds` from their chunks in host memory (on the
-        update's thread, ahead of the update: nothing writes them until it runs)."""
-        ahead = self.ahead_kinds(self.layout)
-        targets = self.state_targets(self.layout, self.pieces)
-        self._copy([t for t in targets if t[0] in ahead], self.layout.chunks)
+        update.on_stand.append(self.stand)
 
     def take(self) -> None:
-        """Copy what the update will overwrite and was not taken ahead (on the update's
-        thread, before its kernels)."""
+        """On the update's thread before its kernels (its reads are in): copy what it
+        overwrites in place, and into each shadow the elements it does not update."""
         assert self.update is not None
-        targets = self.state_targets(self.layout, self.pieces)
-        if self.ahead is not None:
-            self.ahead.result()  # ran before this on the same thread: raises what it raised
-            ahead = self.ahead_kinds(self.layout)
-            targets = [t for t in targets if t[0] not in ahead]
-        self._copy(targets, self.update.chunks)
-        self._copy(self.slot_targets(self.layout, self.pieces), self.update.chunks)
-
-    def _copy(
-        self, targets: list[tuple[ChunkKind, list[Piece]]], chunks: dict[ChunkKind, Chunk]
-    ) -> None:
-        for kind, pieces in targets:
+        chunks = self.update.chunks
+        for kind, pieces in self.targets:
             chunk = chunks[kind]
             views = spans(chunk, pieces)
             size = sum(v.numel() for v in views)
             start = self._filled.get(chunk.dtype, 0)
-            buffer = self._buffers[chunk.dtype][start : start + size]
+            buffer = self._copies[chunk.dtype][start : start + size]
             self._filled[chunk.dtype] = start + size
             torch._foreach_copy_(list(torch.split(buffer, [v.numel() for v in views])), views)
             self._saved.append((kind, pieces, buffer))
+        for kind, shadow in self.shadows.items():
+            chunk = chunks[kind]
+            payload = chunk.payload
+            assert payload is not None
+            for lo, hi in not_updated(chunk, self.pieces):
+                shadow[lo:hi].copy_(payload[lo:hi])
+
+    def stand(self) -> None:
+        """The step takes the update: each shadow takes its chunk's place, and the payload it
+        replaced is the shadow of the group's next update."""
+        for kind, shadow in list(self.shadows.items()):
+            chunk = self.layout.chunks[kind]
+            self.shadows[kind] = self._residency.swap_payload(chunk, shadow)
 
     def restore(self, staging: Staging) -> None:
         """Write every copied element back where its chunk lives now (its home after the
         update finished), take the step counts back, and give the 16-bit values their old
-        bits: the rounded masters, or the gradient the slot held."""
+        bits: the rounded masters, or the gradient the slot held. The shadows are left as
+        they are: the chunks they stand for were only read."""
         assert self.update is not None
         layout = self.layout
         for kind, pieces, buffer in self._saved:
@@ -186,10 +232,26 @@ class Snapshot:
             self.update.slot_ids.discard(id(slot))
 
 
+def not_updated(chunk: Chunk, pieces: list[Piece]) -> list[tuple[int, int]]:
+    """The ranges of ``chunk``'s payload, in its own coordinates, that ``pieces`` leave out
+    (padding, slots without a gradient, another rank's span)."""
+    covered = sorted(
+        (slot.offset + lo - chunk.start, slot.offset + hi - chunk.start) for slot, lo, hi in pieces
+    )
+    gaps, position = [], 0
+    for begin, end in covered:
+        if begin > position:
+            gaps.append((position, begin))
+        position = max(position, end)
+    if position < chunk.numel:
+        gaps.append((position, chunk.numel))
+    return gaps
+
+
 def held_bytes(group_bytes: list[int], budget_bytes: int | None) -> int:
-    """The copies held at once when the groups of ``group_bytes`` (bytes of copy each, in the
-    order their gradients become final) are speculated: each that fits the budget beside those
-    before it, as :meth:`Speculation.reserve` takes them (``chunkmem estimate`` counts them
+    """The buffers held at once when the groups of ``group_bytes`` (bytes each, in the order
+    their gradients become final) are speculated: each that fits the budget beside those
+    before it, as :meth:`Speculation.reserve` keeps them (``chunkmem estimate`` counts them
     with this)."""
     held = 0
     for nbytes in group_bytes:
@@ -203,19 +265,9 @@ def _within(budget_bytes: int | None, held: int, nbytes: int) -> bool:
 
 
 class Speculation:
-    """The snapshots of one step's speculated groups, in buffers kept per group across steps
+    """The snapshots of one step's speculated groups, with buffers kept per group across steps
     within ``budget_bytes`` (None: as much as the host budget has room for); counts the steps
-    committed and rolled back.
-
-    [Note: copies taken ahead] A group's states do not change between the step that last
-    updated them and its next update, so where they live in host memory their copy is taken
-    as soon as the next forward starts (:meth:`take_ahead`, queued on the update thread in the
-    order the groups became final): the host, idle until backward's first gradients are final
-    (on a GPU machine, for the whole forward), copies then, and the update only copies the
-    16-bit slots that backward filled with gradients (and, in fp32 training, the parameters:
-    their chunk is on the device until the update). A copy taken ahead for pieces that differ
-    from the update's, or whose update does not start early, is dropped once it has run.
-    """
+    committed and rolled back."""
 
     def __init__(self, residency: Residency, budget_bytes: int | None) -> None:
         self.residency = residency
@@ -224,86 +276,74 @@ class Speculation:
         self.held_bytes = 0  # of every kept buffer
         self.commits = 0
         self.rollbacks = 0
-        self.used_ahead = 0  # copies taken ahead that an update used, over the run
-        self.dropped_ahead = 0  # and that none did (their pieces differed, or no early start)
         self._snapshots: list[Snapshot] = []  # of this step's speculated updates
-        self._ahead: dict[int, Snapshot] = {}  # layout index -> states copied ahead
-        self._kept: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # layout index -> buffers
+        self._kept: dict[int, Kept] = {}  # layout index -> its buffers
 
     @property
     def active(self) -> bool:
         """Whether updates of this step were taken speculatively."""
         return bool(self._snapshots)
 
-    def take_ahead(
-        self, layout: ChunkLayout, pieces: list[Piece], submit: Callable[..., Future]
-    ) -> None:
-        """Start copying the states the update of ``pieces`` will overwrite that live in host
-        memory (:meth:`Snapshot.ahead_kinds`) through ``submit``, the update thread's queue."""
-        if layout.index in self._ahead:
-            return
-        snapshot = self._snapshot(layout, pieces)
-        if snapshot is not None:
-            snapshot.ahead = submit(snapshot.take_states)
-            self._ahead[layout.index] = snapshot
-
-    def reserve(self, layout: ChunkLayout, pieces: list[Piece]) -> Snapshot | None:
-        """The snapshot that makes the update of ``pieces`` undoable (attach the prepared
-        update to it); None, with nothing taken, when its copy does not fit the budget or the
-        host."""
-        ahead = self._ahead.pop(layout.index, None)
-        if ahead is not None:
-            if _same_pieces(ahead.pieces, pieces):
-                self.used_ahead += 1
-                self._snapshots.append(ahead)
-                return ahead
-            self._wait_dropped(ahead)  # it writes the buffers reused below
-        snapshot = self._snapshot(layout, pieces)
-        if snapshot is not None:
-            self._snapshots.append(snapshot)
-        return snapshot
-
-    def _snapshot(self, layout: ChunkLayout, pieces: list[Piece]) -> Snapshot | None:
-        needed = Snapshot.elements(layout, pieces)
+    def reserve(
+        self, layout: ChunkLayout, pieces: list[Piece], home: StorageTier
+    ) -> Snapshot | None:
+        """The snapshot that makes the update of ``pieces`` (states homed on ``home``)
+        undoable: prepare the update to write to its :attr:`Snapshot.shadows`, then attach
+        it. None, with nothing taken, when its buffers do not fit the budget or the host."""
+        spill = self.residency.tiers.spill
+        shadowed = Snapshot.shadowed_kinds(layout, home) if home is spill else frozenset()
+        shadows = {kind: layout.chunks[kind] for kind in shadowed}
+        targets = Snapshot.copy_targets(layout, pieces, shadowed)
+        copies = Snapshot.copy_elements(layout, targets)
         kept = self._kept.get(layout.index)
-        if kept is None or any(
-            dtype not in kept or kept[dtype].numel() < numel for dtype, numel in needed.items()
-        ):
-            kept = self._keep(layout.index, needed)
+        if kept is None or not kept.serves(shadows, copies):
+            kept = self._keep(layout.index, shadows, copies)
             if kept is None:
                 return None
-        buffers = {dtype: kept[dtype][:numel] for dtype, numel in needed.items()}
-        return Snapshot(layout, pieces, self.residency, buffers)
+        views = {dtype: kept.copies[dtype][:numel] for dtype, numel in copies.items()}
+        snapshot = Snapshot(layout, pieces, self.residency, kept, targets, views)
+        self._snapshots.append(snapshot)
+        return snapshot
 
     def _keep(
-        self, index: int, needed: dict[torch.dtype, int]
-    ) -> dict[torch.dtype, torch.Tensor] | None:
+        self, index: int, shadows: dict[ChunkKind, Chunk], copies: dict[torch.dtype, int]
+    ) -> Kept | None:
         """New buffers for layout ``index`` (in place of any it had), held until the end."""
         self._drop(index)
-        total = sum(dtype.itemsize * n for dtype, n in needed.items())
+        sizes = [(c.numel, c.dtype) for c in shadows.values()] + [
+            (numel, dtype) for dtype, numel in copies.items()
+        ]
+        total = sum(numel * dtype.itemsize for numel, dtype in sizes)
         spill = self.residency.tiers.spill
         if not _within(self.budget_bytes, self.held_bytes, total):
             return None
         if not self.residency.ledger.would_fit(spill.name, total):
             return None
-        kept = {}
-        for dtype, numel in needed.items():
-            kept[dtype] = self.residency.workspaces.allocate(
-                numel, dtype, spill, set(), within="capacity", kind=SPECULATION
-            )
-            self.held_bytes += kept[dtype].numel() * dtype.itemsize
+        kept = Kept()
+        for kind, chunk in shadows.items():
+            kept.shadows[kind] = self._allocate(chunk.numel, chunk.dtype)
+        for dtype, numel in copies.items():
+            kept.copies[dtype] = self._allocate(numel, dtype)
         self._kept[index] = kept
         return kept
 
+    def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buffer = self.residency.workspaces.allocate(
+            numel, dtype, self.residency.tiers.spill, set(), within="capacity", kind=SPECULATION
+        )
+        self.held_bytes += numel * dtype.itemsize
+        return buffer
+
     def _drop(self, index: int) -> None:
         spill = self.residency.tiers.spill
-        for buffer in self._kept.pop(index, {}).values():
+        kept = self._kept.pop(index, None)
+        for buffer in [] if kept is None else kept.buffers():
             self.held_bytes -= buffer.numel() * buffer.element_size()
             self.residency.workspaces.free(buffer, spill, kind=SPECULATION)
 
     def commit(self) -> None:
-        """The assumption held (or nothing was speculated): the speculated updates stand."""
-        self._drop_ahead()
+        """The assumption held (or nothing was speculated): the speculated updates stand, each
+        as the step takes it (:meth:`Snapshot.stand`)."""
         if self._snapshots:
             self.commits += 1
         self._snapshots = []
@@ -311,7 +351,6 @@ class Speculation:
     def roll_back(self) -> list[Snapshot]:
         """The assumption failed: restore every speculated group (their runs are over and
         finished); returns their snapshots, restored."""
-        self._drop_ahead()
         snapshots, self._snapshots = self._snapshots, []
         try:
             for snapshot in reversed(snapshots):
@@ -322,26 +361,6 @@ class Speculation:
         return snapshots
 
     def cancel(self) -> None:
-        """An aborted cycle: the copies are dropped (the abort undoes or stops by itself); the
-        buffers stay for the next step."""
-        self._drop_ahead()
+        """An aborted cycle: the snapshots are dropped (the abort undoes or stops by itself);
+        the buffers stay for the next step."""
         self._snapshots = []
-
-    def _drop_ahead(self) -> None:
-        """Copies taken ahead for updates that did not start early: over before anything
-        writes the states they read or the buffers they fill."""
-        ahead, self._ahead = self._ahead, {}
-        for snapshot in ahead.values():
-            self._wait_dropped(snapshot)
-
-    def _wait_dropped(self, snapshot: Snapshot) -> None:
-        """Wait for a copy taken ahead that no update uses: a failure does not matter
-        (nothing will be restored from it)."""
-        assert snapshot.ahead is not None
-        self.dropped_ahead += 1
-        with contextlib.suppress(Exception):
-            snapshot.ahead.result()
-
-
-def _same_pieces(a: list[Piece], b: list[Piece]) -> bool:
-    return [(id(s), lo, hi) for s, lo, hi in a] == [(id(s), lo, hi) for s, lo, hi in b]

@@ -125,6 +125,7 @@ def host_adam_step(
     decoupled: bool,
     grad_scale=None,
     num_threads=None,
+    new_states=None,
     **hyper,
 ) -> None:
     torch._foreach_add_(state.steps, 1)
@@ -138,6 +139,7 @@ def host_adam_step(
         state.steps,
         grad_scale=grad_scale,
         params_out=state.params_out,
+        new_states=new_states,
         num_threads=num_threads,
         **hyper,
     )
@@ -439,6 +441,44 @@ def test_results_do_not_depend_on_the_thread_count():
     for n in (2, 3):
         for k, (a, b) in enumerate(zip(with_threads(n), one, strict=True)):
             a.assert_same(b, f"{n} threads, path {k}")
+
+
+def host_adam_step_out_of_place(state: State, grads, **kwargs) -> None:
+    """The update written to new tensors (the inputs must stay as they were), then taken."""
+    before = state.clone()
+    new = host_optim.NewStates(
+        [torch.full_like(p, float("nan")) for p in state.params],
+        *([torch.full_like(t, float("nan")) for t in states] for states in state.states),
+    )
+    host_adam_step(state, grads, new_states=new, **kwargs)
+    for old, kept in zip([*state.params, *state.states[0], *state.states[1]],
+                         [*before.params, *before.states[0], *before.states[1]], strict=True):  # fmt: skip
+        assert_same_bits(old, kept, "an input of the update out of place")
+    state.params, state.states = list(new.params), [list(new.exp_avgs), list(new.exp_avg_sqs)]
+
+
+def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs():
+    """Every kind of Adam step, fp32, mixed and bf16 states, with and without grad scale."""
+    in_place = _every_path(host_adam_step, host_sgd_step)
+    out_of_place = _every_path(host_adam_step_out_of_place, host_sgd_step)
+    for k, (a, b) in enumerate(zip(out_of_place, in_place, strict=True)):
+        a.assert_same(b, f"path {k}")
+
+
+def test_an_update_out_of_place_checks_its_outputs():
+    state = State.random([10], 2, F32)
+    new = host_optim.NewStates([torch.zeros(10)], [torch.zeros(10)], [torch.zeros(9)])
+    with pytest.raises(ValueError, match=r"new_states.exp_avg_sqs\[0\] has 9 elements"):
+        host_optim.fused_adamw_(
+            state.params, _grads([10], F32, 0), *state.states, [], state.steps,
+            new_states=new, **ADAM, weight_decay=0.0,
+        )  # fmt: skip
+    bf16 = host_optim.NewStates([torch.zeros(10)], [torch.zeros(10, dtype=BF16)], [torch.zeros(10)])
+    with pytest.raises(TypeError, match="new_states.exp_avgs"):
+        host_optim.fused_adamw_(
+            state.params, _grads([10], F32, 0), *state.states, [], state.steps,
+            new_states=bf16, **ADAM, weight_decay=0.0,
+        )  # fmt: skip
 
 
 def test_a_missing_compiler_raises_instead_of_falling_back(monkeypatch, tmp_path):

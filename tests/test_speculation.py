@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.errors import EngineUsageError
+from offload.speculation import not_updated
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
 from tests.offload_helpers import Net, batches, initialize, make_model
 
@@ -212,13 +214,13 @@ class Branching(Net):
 
 
 @pytest.mark.parametrize("kind", ["clip", "clip_fp32"])
-def test_states_copied_ahead_in_the_forward_keep_every_step_exact(kind: str) -> None:
-    """Host states are copied while the forward runs (offload/speculation.py, [Note: copies
-    taken ahead]: fp32 training's moments, its parameters with the update); a copy whose
-    update's pieces differ (a layer left out) is dropped and the update copies its own. Steps
-    equal the serial ones bit for bit, clipping forced or not."""
+def test_updates_out_of_place_keep_slots_without_a_gradient_exact(kind: str) -> None:
+    """Host states are updated out of place and swapped in when the step stands
+    (offload/speculation.py): the shadow must carry what the update leaves out (a layer left
+    out on odd steps, padding) and alternate with the payload it replaced. Steps equal the
+    serial ones bit for bit, clipping forced or not."""
     data = batches(STEPS, rows=8)
-    runs, engines = {}, {}
+    runs, engines, payloads = {}, {}, set()
     for overlap in (False, True):
         torch.manual_seed(0)
         model = Branching()
@@ -231,10 +233,24 @@ def test_states_copied_ahead_in_the_forward_keep_every_step_exact(kind: str) -> 
             engine.backward(loss)
             engine.step()
             out.append(engine.state_dict())
+            if overlap:
+                layout = engine.optimizer.params.trainable_layouts()[-1]
+                payloads.add(layout.chunks[ChunkKind.EXP_AVG].payload.data_ptr())
         runs[overlap], engines[overlap] = out, engine
     for serial, overlapped in zip(runs[False], runs[True], strict=True):
         assert all(torch.equal(serial[k], overlapped[k]) for k in serial)
-    speculation = engines[True].optimizer.speculation
-    assert speculation.used_ahead > 0, "updates used copies taken in the forward"
-    assert speculation.dropped_ahead > 0, "the left-out layer's copies were dropped"
-    assert speculation.rollbacks == len(BIG)
+    assert len(payloads) == 2, "a committed step swaps the shadow in; the next swaps back"
+    assert engines[True].optimizer.speculation.rollbacks == len(BIG)
+
+
+def test_what_an_update_leaves_out_is_the_complement_of_its_pieces() -> None:
+    layout = ChunkLayout(0, capacity=20, trainable=True)
+    slots = [layout.add(name, torch.nn.Parameter(torch.zeros(n))) for name, n in
+             (("a", 4), ("b", 6), ("c", 5))]  # fmt: skip
+    chunk = Chunk(0, layout, ChunkKind.MASTER, torch.float32, start=0, numel=20)
+    a, b, c = slots
+    assert not_updated(chunk, []) == [(0, 20)]
+    assert not_updated(chunk, [(a, 0, 4), (b, 0, 6), (c, 0, 5)]) == [(15, 20)]  # padding
+    assert not_updated(chunk, [(a, 0, 4), (c, 1, 5)]) == [(4, 11), (15, 20)]
+    shard = Chunk(1, layout, ChunkKind.MASTER, torch.float32, start=10, numel=10)
+    assert not_updated(shard, [(c, 0, 5)]) == [(5, 10)]  # a ZeRO shard: its own coordinates

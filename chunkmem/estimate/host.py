@@ -1,7 +1,7 @@
 """The host's and the NVMe tier's bytes of an estimated run, by the tiers' own rules: the
 optimizer states homed there, the NVMe tier's staging buffers (``offload.nvme``), the states
 read in for an update (``chunkmem.staging``), a real device's staged gradients and values,
-the speculative updates' copies (``offload.speculation``), and the first cycle's masters
+the speculative updates' shadows and copies (``offload.speculation``), and the first cycle's masters
 waiting for their home. :mod:`.memory` follows the device."""
 
 from __future__ import annotations
@@ -57,14 +57,17 @@ def host_bytes(
 
 def _workspace(config: Config, sim: _Simulation, homes: list[str], gpu: bool) -> int:
     """Host buffers an update on the host needs at once: the NVMe tier's staging buffers and
-    the states of two groups read in (one updating, one read ahead: ``chunkmem.staging``); on
-    a GPU, the gradients staged down and the values staged up for the layout being updated;
-    the speculation's copies."""
+    the states of two groups read in (one updating, one read ahead: ``chunkmem.staging``), a
+    third with ``offload.overlap`` (the last one updated in backward, still being written
+    back: how long it takes depends on the host thread, so this is the most, not a sure
+    peak); on a GPU, the gradients staged down and the values staged up for the layout being
+    updated; the speculation's buffers."""
     total = 0
     groups = [sim.state_elements(i) for i in sim.packed.trainable]
     if "nvme" in homes:
+        read_in = 3 if config.offload.overlap else 2
         total += _nvme_staging(config)
-        total += 2 * max(groups) * state_bytes_per_element(config, on_device=False)
+        total += read_in * max(groups) * state_bytes_per_element(config, on_device=False)
     if gpu and any(home != "device" for home in homes):
         total += max(groups) * 2 * sim.itemsize
     return total + _speculation(config, sim, homes)
@@ -78,26 +81,25 @@ def _nvme_staging(config: Config) -> int:
 
 
 def _speculation(config: Config, sim: _Simulation, homes: list[str]) -> int:
-    """The copies that make speculative host updates undoable (``offload.speculation``): of
-    every group updated on the host, the elements it updates (its span's parameters, padding
-    left out) at the bytes a copy takes, in the order the groups become final (last packed
-    first), as many as ``offload.speculation_bytes`` allows."""
+    """The buffers that make speculative host updates undoable (``offload.speculation``): of
+    every group updated on the host, shadows of its state chunks (a home in host memory:
+    their span's elements, padding included) and copies of what its update overwrites in
+    place (its span's parameters, padding left out), in the order the groups become final
+    (last packed first), as many as ``offload.speculation_bytes`` allows."""
     if not config.offload.overlap or not speculative_reasons(config):
         return 0
-    per_element = Snapshot.bytes_per_element(
-        sim.mixed,
-        STATE_DTYPES[config.offload.state_dtype].itemsize,
-        not sim.separate_grads,
-        sim.itemsize,
-    )
-    updated = [
-        _updated_elements(sim, layout)
-        for layout, home in zip(sim.packed.trainable, homes, strict=True)
-        if home != "device"
-    ]
-    return speculation_held_bytes(
-        [n * per_element for n in reversed(updated)], config.offload.speculation_bytes
-    )
+    state_itemsize = STATE_DTYPES[config.offload.state_dtype].itemsize
+    group_bytes = []
+    for layout, home in zip(sim.packed.trainable, homes, strict=True):
+        if home == "device":
+            continue
+        shadow, copy = Snapshot.bytes_per_element(
+            sim.mixed, state_itemsize, not sim.separate_grads, sim.itemsize, home == "host"
+        )
+        group_bytes.append(
+            sim.state_elements(layout) * shadow + _updated_elements(sim, layout) * copy
+        )
+    return speculation_held_bytes(list(reversed(group_bytes)), config.offload.speculation_bytes)
 
 
 def _updated_elements(sim: _Simulation, layout: int) -> int:

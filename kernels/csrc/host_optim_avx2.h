@@ -104,10 +104,26 @@ inline __m256 splat(float x) { return _mm256_set1_ps(x); }
 // G are divided by *grad_scale when it is given (and written back when G is fp32, as torch
 // does); states are of type S; a 16-bit copy of the new parameters goes to out unless O is
 // NoOut (see store_out8 for STREAM).
+// One tensor's rows for adam_lanes: what it reads (p, g, m, v) and where the new values go
+// (p_new, m_new, v_new: the same pointers for an update in place).
+template <class G, class S>
+struct AdamRows {
+  const float* p;
+  typename G::Raw* g;
+  const typename S::Raw* m;
+  const typename S::Raw* v;
+  float* p_new;
+  typename S::Raw* m_new;
+  typename S::Raw* v_new;
+};
+
 template <class G, class S, class O, bool STREAM>
-void adam_lanes(const AdamScalars& s, int64_t n, float* p, typename G::Raw* g,
-                typename S::Raw* m, typename S::Raw* v, typename O::Raw* out,
-                const float* grad_scale) {
+void adam_lanes(const AdamScalars& s, int64_t n, const AdamRows<G, S>& rows,
+                typename O::Raw* out, const float* grad_scale) {
+  const float* const p = rows.p;
+  typename G::Raw* const g = rows.g;
+  const typename S::Raw* const m = rows.m;
+  const typename S::Raw* const v = rows.v;
   const __m256 lr_decay = splat(s.lr_decay), wd = splat(s.weight_decay);
   const __m256 coeff = splat(s.lerp_coeff), c2 = splat(s.c2), beta2 = splat(s.beta2);
   const __m256 bc2_sqrt = splat(s.bc2_sqrt), eps = splat(s.eps);
@@ -133,11 +149,11 @@ void adam_lanes(const AdamScalars& s, int64_t n, float* p, typename G::Raw* g,
     exp_avg = fma8(coeff, _mm256_sub_ps(grad, exp_avg), base);
     __m256 exp_avg_sq = load8<S>(v + i);
     exp_avg_sq = fma8(_mm256_mul_ps(c2, grad), grad, _mm256_mul_ps(exp_avg_sq, beta2));
-    store8<S>(m + i, exp_avg);
-    store8<S>(v + i, exp_avg_sq);
+    store8<S>(rows.m_new + i, exp_avg);
+    store8<S>(rows.v_new + i, exp_avg_sq);
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), bc2_sqrt), eps);
     param = _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(neg_step_size, exp_avg), denom));
-    _mm256_storeu_ps(p + i, param);
+    _mm256_storeu_ps(rows.p_new + i, param);
     return param;
   });
 }

@@ -102,18 +102,22 @@ inline float scaled_grad(typename G::Raw* g, int64_t i, const float* grad_scale)
   return grad;
 }
 
-// Elements [begin, end) of one tensor of `numel` elements.
+// Elements [begin, end) of one tensor of `numel` elements: reads p, m, v and writes the new
+// values to p_new, m_new, v_new (the same pointers for an update in place; see
+// [Note: updates out of place]).
 template <class G, class S, class O>
-void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end, float* p,
-                typename G::Raw* g, typename S::Raw* m, typename S::Raw* v,
+void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end, const float* p,
+                typename G::Raw* g, const typename S::Raw* m, const typename S::Raw* v,
+                float* p_new, typename S::Raw* m_new, typename S::Raw* v_new,
                 typename O::Raw* out, const float* grad_scale, bool large_call) {
   const auto element = [&](auto tail, int64_t i) {
     const float grad = scaled_grad<G>(g, i, grad_scale);
-    float exp_avg = load<S>(m, i), exp_avg_sq = load<S>(v, i);
-    cmo::adam_element<decltype(tail)::value>(s, grad, p[i], exp_avg, exp_avg_sq);
-    store<S>(m, i, exp_avg);
-    store<S>(v, i, exp_avg_sq);
-    if constexpr (!std::is_same_v<O, NoOut>) store<O>(out, i, p[i]);
+    float param = p[i], exp_avg = load<S>(m, i), exp_avg_sq = load<S>(v, i);
+    cmo::adam_element<decltype(tail)::value>(s, grad, param, exp_avg, exp_avg_sq);
+    p_new[i] = param;
+    store<S>(m_new, i, exp_avg);
+    store<S>(v_new, i, exp_avg_sq);
+    if constexpr (!std::is_same_v<O, NoOut>) store<O>(out, i, param);
   };
   const int64_t body = std::min(end, cmo::body_end(numel));
   int64_t i = begin;
@@ -121,10 +125,12 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
   if (i < body) {
     const int64_t n = body - i;
     typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
+    const cmo::avx2::AdamRows<G, S> rows{p + i, g + i, m + i, v + i, p_new + i, m_new + i,
+                                         v_new + i};
     if (may_stream<O>(large_call, o))
-      cmo::avx2::adam_lanes<G, S, O, true>(s, n, p + i, g + i, m + i, v + i, o, grad_scale);
+      cmo::avx2::adam_lanes<G, S, O, true>(s, n, rows, o, grad_scale);
     else
-      cmo::avx2::adam_lanes<G, S, O, false>(s, n, p + i, g + i, m + i, v + i, o, grad_scale);
+      cmo::avx2::adam_lanes<G, S, O, false>(s, n, rows, o, grad_scale);
     i = body;
   }
 #endif
@@ -257,12 +263,22 @@ int cmo_cpu_has_avx2() {
 // grads[i] of grad_dtype, exp_avgs[i] and exp_avg_sqs[i] of state_dtype, params_out[i] of
 // out_dtype (or ignored when out_dtype is -1), all of numels[i] elements; steps[i] points at
 // the tensor's step count (already incremented). grad_scale, when not null, points at the
-// number the gradients are divided by.
+// number the gradients are divided by. new_params, new_exp_avgs and new_exp_avg_sqs, when not
+// null, receive the new values and the inputs are only read ([Note: updates out of place]);
+// null: the update is in place.
+//
+// [Note: updates out of place] A speculative update (offload/speculation.py) must leave its
+// inputs as they were until the step knows it stands, so it writes the new fp32 values and
+// moments elsewhere, and committing it is swapping buffers. Reading one buffer and writing
+// another moves the same bytes as updating in place, and the arithmetic is the same: the
+// results are bit for bit those of the update in place.
 int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
-                 void* const* exp_avg_sqs, void* const* params_out, const float* const* steps,
-                 const int64_t* numels, int count, int grad_dtype, int state_dtype, int out_dtype,
-                 double lr, double beta1, double beta2, double weight_decay, double eps,
-                 int decoupled, const float* grad_scale, int num_threads) {
+                 void* const* exp_avg_sqs, void* const* params_out, void* const* new_params,
+                 void* const* new_exp_avgs, void* const* new_exp_avg_sqs,
+                 const float* const* steps, const int64_t* numels, int count, int grad_dtype,
+                 int state_dtype, int out_dtype, double lr, double beta1, double beta2,
+                 double weight_decay, double eps, int decoupled, const float* grad_scale,
+                 int num_threads) {
   if (count < 0 || num_threads < 1) return kBadArgument;
   std::vector<AdamScalars> scalars;
   try {
@@ -279,8 +295,13 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
     using S = decltype(state);
     using O = decltype(out);
     return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
-      adam_range<G, S, O>(scalars[i], numels[i], begin, end, static_cast<float*>(params[i]),
-                          as<G>(grads[i]), as<S>(exp_avgs[i]), as<S>(exp_avg_sqs[i]),
+      float* p = static_cast<float*>(params[i]);
+      typename S::Raw* m = as<S>(exp_avgs[i]);
+      typename S::Raw* v = as<S>(exp_avg_sqs[i]);
+      adam_range<G, S, O>(scalars[i], numels[i], begin, end, p, as<G>(grads[i]), m, v,
+                          new_params ? static_cast<float*>(new_params[i]) : p,
+                          new_exp_avgs ? as<S>(new_exp_avgs[i]) : m,
+                          new_exp_avg_sqs ? as<S>(new_exp_avg_sqs[i]) : v,
                           std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale,
                           large);
     });
