@@ -29,7 +29,7 @@ the group's state chunks (8 with bf16 moments), whole chunks, padding included, 
 per group from the first step that speculates to the engine's end (a standing reservation,
 which the ledger and ``chunkmem estimate`` count as held throughout), plus 2 bytes per
 element whose gradient sits in its parameter slot. Bandwidth: the update reads one buffer and
-writes another, the bytes it moves in place, and copies only what it does not update into the
+writes another (with non-temporal stores: about the bytes it moves in place), and copies only what it does not update into the
 shadow (padding, parameters without a gradient) and the 16-bit gradients it overwrites; a
 rollback writes back those gradients and rounds the masters again. The states of a group homed on
 NVMe are copied instead (12 bytes per element updated, read and written once more, and once

@@ -5,6 +5,7 @@ arguments raise errors that name them."""
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass, field
 
@@ -443,12 +444,19 @@ def test_results_do_not_depend_on_the_thread_count():
             a.assert_same(b, f"{n} threads, path {k}")
 
 
-def host_adam_step_out_of_place(state: State, grads, **kwargs) -> None:
-    """The update written to new tensors (the inputs must stay as they were), then taken."""
+def _nan_at(offset: int, like: torch.Tensor) -> torch.Tensor:
+    """A tensor like ``like``, of NaN, starting ``offset`` elements into its allocation."""
+    return torch.full((offset + like.numel(),), float("nan"), dtype=like.dtype)[offset:]
+
+
+def host_adam_step_out_of_place(state: State, grads, offset: int = 0, **kwargs) -> None:
+    """The update written to new tensors ``offset`` elements into their allocations (0: the
+    lanes stream them; 5: the first elements go one at a time until they are aligned), the
+    inputs left as they were, then taken."""
     before = state.clone()
     new = host_optim.NewStates(
-        [torch.full_like(p, float("nan")) for p in state.params],
-        *([torch.full_like(t, float("nan")) for t in states] for states in state.states),
+        [_nan_at(offset, p) for p in state.params],
+        *([_nan_at(offset, t) for t in states] for states in state.states),
     )
     host_adam_step(state, grads, new_states=new, **kwargs)
     for old, kept in zip([*state.params, *state.states[0], *state.states[1]],
@@ -457,10 +465,13 @@ def host_adam_step_out_of_place(state: State, grads, **kwargs) -> None:
     state.params, state.states = list(new.params), [list(new.exp_avgs), list(new.exp_avg_sqs)]
 
 
-def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs():
+@pytest.mark.parametrize("offset", [0, 5], ids=["aligned", "unaligned"])
+def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(offset):
     """Every kind of Adam step, fp32, mixed and bf16 states, with and without grad scale."""
     in_place = _every_path(host_adam_step, host_sgd_step)
-    out_of_place = _every_path(host_adam_step_out_of_place, host_sgd_step)
+    out_of_place = _every_path(
+        functools.partial(host_adam_step_out_of_place, offset=offset), host_sgd_step
+    )
     for k, (a, b) in enumerate(zip(out_of_place, in_place, strict=True)):
         a.assert_same(b, f"path {k}")
 

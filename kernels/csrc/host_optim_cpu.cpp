@@ -44,6 +44,18 @@ bool may_stream(bool large_call, const typename O::Raw* out) {
   return !std::is_same_v<O, NoOut> && large_call && reinterpret_cast<uintptr_t>(out) % 32 == 0;
 }
 
+#if HOST_OPTIM_HAVE_AVX2
+// Whether the lanes may stream the new values of an update out of place (host_optim_avx2.h,
+// store_new8): fp32 states, every row written elsewhere than it is read, 32-byte aligned.
+template <class S, class G>
+bool may_stream_new(const cmo::avx2::AdamRows<G, S>& rows) {
+  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; };
+  return std::is_same_v<S, F32> && rows.p_new != rows.p && rows.m_new != rows.m &&
+         rows.v_new != rows.v && aligned(rows.p_new) && aligned(rows.m_new) &&
+         aligned(rows.v_new);
+}
+#endif
+
 enum Status : int { kOk = 0, kBadArgument = 1, kOutOfMemory = 2 };
 
 // Runs fn(tensor, begin, end) over the blocks of `count` tensors (see the note above).
@@ -122,16 +134,26 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
   const int64_t body = std::min(end, cmo::body_end(numel));
   int64_t i = begin;
 #if HOST_OPTIM_HAVE_AVX2
+  if constexpr (std::is_same_v<S, F32>) {
+    // Out of place: the first elements one at a time (the same bits) until the new rows are
+    // 32-byte aligned, so that the lanes stream them (store_new8).
+    if (p_new != p)
+      for (; i < body && reinterpret_cast<uintptr_t>(p_new + i) % 32 != 0; ++i)
+        element(std::false_type{}, i);
+  }
   if (i < body) {
-    const int64_t n = body - i;
+    const int64_t n = (body - i) / cmo::kLanes * cmo::kLanes;  // the rest: one at a time, below
     typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
     const cmo::avx2::AdamRows<G, S> rows{p + i, g + i, m + i, v + i, p_new + i, m_new + i,
                                          v_new + i};
-    if (may_stream<O>(large_call, o))
-      cmo::avx2::adam_lanes<G, S, O, true>(s, n, rows, o, grad_scale);
+    const bool stream_out = may_stream<O>(large_call, o);
+    if (may_stream_new<S>(rows))
+      stream_out ? cmo::avx2::adam_lanes<G, S, O, true, true>(s, n, rows, o, grad_scale)
+                 : cmo::avx2::adam_lanes<G, S, O, false, true>(s, n, rows, o, grad_scale);
     else
-      cmo::avx2::adam_lanes<G, S, O, false>(s, n, rows, o, grad_scale);
-    i = body;
+      stream_out ? cmo::avx2::adam_lanes<G, S, O, true, false>(s, n, rows, o, grad_scale)
+                 : cmo::avx2::adam_lanes<G, S, O, false, false>(s, n, rows, o, grad_scale);
+    i += n;
   }
 #endif
   for (; i < body; ++i) element(std::false_type{}, i);
