@@ -258,10 +258,11 @@ class OffloadConfig(Section):
     )
     speculation_bytes: ByteSize | None = Field(
         None,
-        description="Host bytes the copies that make speculative updates undoable may hold "
-        "(the states a group's update overwrites: 12 bytes an element in bf16/fp16 with fp32 "
-        "states). When they are full, the remaining groups wait for the step's norm. null: as "
-        "much as the host budget has room for.",
+        description="Host bytes the buffers that make speculative updates undoable may hold "
+        "(shadows the new states are written to, swapped in at commit: 12 bytes an element of "
+        "a group's state chunks in bf16/fp16 with fp32 states; copies of what an update still "
+        "overwrites in place). When they are full, the remaining groups wait for the step's "
+        "norm. null: as much as the host budget has room for.",
     )
     optimizer_threads: int | Literal["auto"] = Field(
         "auto",

@@ -52,7 +52,13 @@ class SpeculationLike(Protocol):
     @property
     def active(self) -> bool: ...
 
-    def reserve(self, layout: ChunkLayout, pieces: list[Piece], home: StorageTier) -> Any: ...
+    def reserve(
+        self,
+        layout: ChunkLayout,
+        pieces: list[Piece],
+        home: StorageTier,
+        divided_grads: ChunkKind | None = None,
+    ) -> Any: ...
 
     def commit(self) -> None: ...
 
@@ -194,15 +200,18 @@ class ChunkAdam:
         pieces = owned_pieces(layout, self.states.state_span(layout))
         if not pieces:
             return False
+        divisor = self.loss_scale * self.sharding.world_size
         snapshot = None
         if self.speculation is not None:
-            snapshot = self.speculation.reserve(layout, pieces, self.states.home(layout))
+            snapshot = self.speculation.reserve(
+                layout, pieces, self.states.home(layout), self._divided_grads(pieces, divisor)
+            )
             if snapshot is None:
                 return False  # no room to make it undoable: it waits for the step's norm
         update = self.updates.prepare(
             layout,
             pieces,
-            self.loss_scale * self.sharding.world_size,
+            divisor,
             defer_reads=True,
             into=None if snapshot is None else snapshot.shadows,
         )
@@ -216,6 +225,19 @@ class ChunkAdam:
         update.pending = submit(update.run)
         update.pending.add_done_callback(lambda _run: self._ran.append(update))
         return True
+
+    def _divided_grads(self, pieces: list[Piece], divisor: float) -> ChunkKind | None:
+        """The kind of the chunk holding ``pieces``' gradients where the host kernel will
+        leave them divided by ``divisor`` (fp32 gradients read where they lie, as torch's
+        fused kernel leaves them); None where it will not (16-bit gradients are widened, a
+        GPU's are staged into host buffers)."""
+        if divisor == 1.0:
+            return None
+        source = self.grads.reducer.grad_source(pieces[0][0])
+        payload = source.payload
+        if source.dtype != torch.float32 or payload is None or payload.device.type != "cpu":
+            return None
+        return source.kind
 
     def _finish_staged_early(self) -> None:
         """Finish the early update whose states were read in from NVMe (offload/overlap.py
@@ -252,17 +274,24 @@ class ChunkAdam:
         if self.speculation is None:
             return
         if held or not self.speculation.active:
-            self.speculation.commit()  # and copies taken ahead for updates that did not start
+            self.speculation.commit()
             return
         launched, self.launched = self.launched, {}
+        error: BaseException | None = None
         for update in launched.values():
-            update.wait()
-            update.finish()
-        undone = self.speculation.roll_back()
-        self.layouts_updated -= len(undone)
+            try:
+                update.wait()
+                update.finish()
+            except BaseException as exc:  # noqa: BLE001 - raised below, every group restored
+                error = error or exc
+                update.finish(completed=False)
+        undone = [s for s in self.speculation.roll_back() if s.update is not None]
+        self.layouts_updated -= len(undone)  # those whose update was prepared were counted
         for snapshot in undone:
             for slot in snapshot.grad_slots:  # the slot holds its gradient again
                 self.manager.binder.unbind(slot)
+        if error is not None:
+            raise error
 
     def cancel(self) -> None:
         """An aborted cycle: wait for every early update's run, then release what each one

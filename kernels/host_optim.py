@@ -280,6 +280,11 @@ def _adam(
     _check_steps(state_steps, count)
     if new_states is not None:
         _check_new_states(new_states, params, exp_avgs)
+        if found_inf is not None:
+            raise ValueError(
+                "found_inf with new_states: a skipped step would leave the new states unwritten; "
+                "check for infinities before an update out of place"
+            )
     threads = _threads(num_threads)
     if _skipped(grad_scale, found_inf) or count == 0:
         return

@@ -21,8 +21,9 @@ commit swaps each shadow with its chunk's payload when the step takes the update
 payload is the group's shadow at its next update; a rollback leaves the chunks as they are.
 What an update still overwrites in place is copied before its kernels (:class:`Snapshot`): the
 16-bit slots that hold gradients (the new parameters are rounded into them), the parameters of
-fp32 training (their chunk comes from the device for the update) and every state of a group
-homed on NVMe (staged: written back to its home as the update finishes).
+fp32 training (their chunk comes from the device for the update), every state of a group
+homed on NVMe (staged: written back to its home as the update finishes), and fp32 gradients
+the kernel leaves divided by the world size where they lie (as torch's fused kernel does).
 
 Cost, bf16/fp16 with fp32 states homed on the host: 12 bytes of host memory per element of
 the group's state chunks (8 with bf16 moments), whole chunks, padding included, kept
@@ -63,21 +64,6 @@ class Kept:
 
     shadows: dict[ChunkKind, torch.Tensor] = field(default_factory=dict)
     copies: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
-
-    def serves(self, shadows: dict[ChunkKind, Chunk], copies: dict[torch.dtype, int]) -> bool:
-        """Whether these buffers hold a shadow for each chunk of ``shadows`` and room for
-        ``copies`` (elements by dtype)."""
-        if set(self.shadows) != set(shadows):
-            return False
-        if any(self.shadows[k].numel() != c.numel for k, c in shadows.items()):
-            return False
-        return all(
-            dtype in self.copies and self.copies[dtype].numel() >= numel
-            for dtype, numel in copies.items()
-        )
-
-    def buffers(self) -> list[torch.Tensor]:
-        return [*self.shadows.values(), *self.copies.values()]
 
 
 class Snapshot:
@@ -126,11 +112,15 @@ class Snapshot:
 
     @staticmethod
     def copy_targets(
-        layout: ChunkLayout, pieces: list[Piece], shadowed: frozenset[ChunkKind]
+        layout: ChunkLayout,
+        pieces: list[Piece],
+        shadowed: frozenset[ChunkKind],
+        divided_grads: ChunkKind | None = None,
     ) -> list[Target]:
         """What the update overwrites in place, copied first: the value (fp32 master, or the
-        fp32 parameter) and moments not shadowed, and the 16-bit slots holding gradients,
-        which rounding the masters overwrites."""
+        fp32 parameter) and moments not shadowed, the 16-bit slots holding gradients, which
+        rounding the masters overwrites, and the fp32 gradients of ``divided_grads``' chunk,
+        which the kernel leaves divided by the loss scale and world size (as torch does)."""
         value = ChunkKind.MASTER if ChunkKind.MASTER in layout.chunks else ChunkKind.PARAM
         targets = [
             (kind, pieces)
@@ -140,6 +130,8 @@ class Snapshot:
         in_slot = [p for p in pieces if p[0].grad_in_param_slot]
         if ChunkKind.MASTER in layout.chunks and in_slot:
             targets.append((ChunkKind.PARAM, in_slot))
+        if divided_grads is not None:
+            targets.append((divided_grads, pieces))
         return targets
 
     @staticmethod
@@ -158,16 +150,19 @@ class Snapshot:
         grad_in_param_slot: bool,
         compute_itemsize: int,
         on_host: bool,
+        divided_grads: bool = False,
     ) -> tuple[int, int]:
         """(bytes of shadow per element of a state chunk, bytes of copy per element updated)
-        for a group whose states are homed in host memory (``on_host``) or on NVMe."""
+        for a group whose states are homed in host memory (``on_host``) or on NVMe, whose
+        fp32 gradients the kernel divides where they lie (``divided_grads``) or not."""
         value = 4  # the fp32 master, or the fp32 parameter
         slot = compute_itemsize if masters and grad_in_param_slot else 0
+        grads = 4 if divided_grads else 0
         if not on_host:
-            return 0, value + 2 * state_itemsize + slot
+            return 0, value + 2 * state_itemsize + slot + grads
         if masters:
-            return value + 2 * state_itemsize, slot
-        return 2 * state_itemsize, value
+            return value + 2 * state_itemsize, slot + grads
+        return 2 * state_itemsize, value + grads
 
     def attach(self, update: LayoutUpdate) -> None:
         """``update`` (prepared from these pieces, writing to :attr:`shadows`) takes the
@@ -182,7 +177,7 @@ class Snapshot:
         assert self.update is not None
         chunks = self.update.chunks
         for kind, pieces in self.targets:
-            chunk = chunks[kind]
+            chunk = chunks.get(kind) or self.layout.chunks[kind]  # a gradient chunk: its own
             views = spans(chunk, pieces)
             size = sum(v.numel() for v in views)
             start = self._filled.get(chunk.dtype, 0)
@@ -285,46 +280,58 @@ class Speculation:
         return bool(self._snapshots)
 
     def reserve(
-        self, layout: ChunkLayout, pieces: list[Piece], home: StorageTier
+        self,
+        layout: ChunkLayout,
+        pieces: list[Piece],
+        home: StorageTier,
+        divided_grads: ChunkKind | None = None,
     ) -> Snapshot | None:
-        """The snapshot that makes the update of ``pieces`` (states homed on ``home``)
+        """The snapshot that makes the update of ``pieces`` (states homed on ``home``; fp32
+        gradients in ``divided_grads``' chunk that the kernel divides where they lie, if any)
         undoable: prepare the update to write to its :attr:`Snapshot.shadows`, then attach
         it. None, with nothing taken, when its buffers do not fit the budget or the host."""
         spill = self.residency.tiers.spill
         shadowed = Snapshot.shadowed_kinds(layout, home) if home is spill else frozenset()
-        shadows = {kind: layout.chunks[kind] for kind in shadowed}
-        targets = Snapshot.copy_targets(layout, pieces, shadowed)
+        targets = Snapshot.copy_targets(layout, pieces, shadowed, divided_grads)
         copies = Snapshot.copy_elements(layout, targets)
-        kept = self._kept.get(layout.index)
-        if kept is None or not kept.serves(shadows, copies):
-            kept = self._keep(layout.index, shadows, copies)
-            if kept is None:
-                return None
+        kept = self._fit(layout.index, {kind: layout.chunks[kind] for kind in shadowed}, copies)
+        if kept is None:
+            return None
         views = {dtype: kept.copies[dtype][:numel] for dtype, numel in copies.items()}
         snapshot = Snapshot(layout, pieces, self.residency, kept, targets, views)
         self._snapshots.append(snapshot)
         return snapshot
 
-    def _keep(
+    def _fit(
         self, index: int, shadows: dict[ChunkKind, Chunk], copies: dict[torch.dtype, int]
     ) -> Kept | None:
-        """New buffers for layout ``index`` (in place of any it had), held until the end."""
-        self._drop(index)
-        sizes = [(c.numel, c.dtype) for c in shadows.values()] + [
-            (numel, dtype) for dtype, numel in copies.items()
-        ]
-        total = sum(numel * dtype.itemsize for numel, dtype in sizes)
-        spill = self.residency.tiers.spill
+        """Layout ``index``'s kept buffers, made to serve ``shadows`` and ``copies``: what no
+        longer fits is replaced, what does is kept (pieces vary from step to step, a layer
+        without a gradient, and allocating afresh faults every page in again). None when
+        the new buffers do not fit the budget or the host (the group waits for the norm)."""
+        kept = self._kept.setdefault(index, Kept())
+        if set(kept.shadows) != set(shadows) or any(
+            kept.shadows[kind].numel() != chunk.numel for kind, chunk in shadows.items()
+        ):
+            self._free([kept.shadows.pop(kind) for kind in list(kept.shadows)])
+        grow = {
+            dtype: numel
+            for dtype, numel in copies.items()
+            if dtype not in kept.copies or kept.copies[dtype].numel() < numel
+        }
+        self._free([kept.copies.pop(dtype) for dtype in grow if dtype in kept.copies])
+        needed = [(c.numel, c.dtype) for k, c in shadows.items() if k not in kept.shadows]
+        needed += [(numel, dtype) for dtype, numel in grow.items()]
+        total = sum(numel * dtype.itemsize for numel, dtype in needed)
         if not _within(self.budget_bytes, self.held_bytes, total):
             return None
-        if not self.residency.ledger.would_fit(spill.name, total):
+        if not self.residency.ledger.would_fit(self.residency.tiers.spill.name, total):
             return None
-        kept = Kept()
         for kind, chunk in shadows.items():
-            kept.shadows[kind] = self._allocate(chunk.numel, chunk.dtype)
-        for dtype, numel in copies.items():
+            if kind not in kept.shadows:
+                kept.shadows[kind] = self._allocate(chunk.numel, chunk.dtype)
+        for dtype, numel in grow.items():
             kept.copies[dtype] = self._allocate(numel, dtype)
-        self._kept[index] = kept
         return kept
 
     def _allocate(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -334,10 +341,9 @@ class Speculation:
         self.held_bytes += numel * dtype.itemsize
         return buffer
 
-    def _drop(self, index: int) -> None:
+    def _free(self, buffers: list[torch.Tensor]) -> None:
         spill = self.residency.tiers.spill
-        kept = self._kept.pop(index, None)
-        for buffer in [] if kept is None else kept.buffers():
+        for buffer in buffers:
             self.held_bytes -= buffer.numel() * buffer.element_size()
             self.residency.workspaces.free(buffer, spill, kind=SPECULATION)
 

@@ -13,6 +13,7 @@ import torch
 from chunkmem import frozen_adam
 from chunkmem.chunk import ChunkKind
 from chunkmem.frozen_adam import frozen_variance_adam_
+from kernels.host_optim import NewStates
 from tests.distributed_helpers import run_threads
 from tests.test_checkpoints import moments
 from tests.test_compression import WORLD, _batch, _engine, train_recorded
@@ -69,6 +70,28 @@ def test_update_equals_the_papers_reference(decoupled, grad_dtype, monkeypatch) 
         assert torch.equal(exp_avg_sqs[i], v0)
         assert torch.equal(outs[i], params[i].bfloat16())
         assert not torch.equal(params[i], p0)
+
+
+def test_an_update_out_of_place_equals_the_one_in_place() -> None:
+    """With ``new_states`` (a speculative update: offload/speculation.py) the inputs stay as
+    they were and the outputs hold the bits of the update in place."""
+    g = torch.Generator().manual_seed(4)
+    sizes = [100, 7]
+    inputs = [[torch.randn(n, generator=g) for n in sizes] for _ in range(2)]
+    inputs.append([torch.rand(n, generator=g) * 1e-2 for n in sizes])
+    grads = [torch.randn(n, generator=g) for n in sizes]
+    kept = [[t.clone() for t in ts] for ts in inputs]
+    in_place = [[t.clone() for t in ts] for ts in inputs]
+    new = NewStates(*([torch.full_like(t, float("nan")) for t in ts] for ts in inputs))
+    for states, out in ((in_place, None), (inputs, new)):
+        frozen_variance_adam_(
+            states[0], grads, states[1], states[2], [], [torch.tensor(9.0)] * 2, **HYPER,
+            decoupled=True, steps_frozen=2, new_states=out,
+        )  # fmt: skip
+    for before, after in zip(kept, inputs, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    for want, got in zip(in_place, new, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
 
 
 def test_bad_arguments_are_refused() -> None:

@@ -476,6 +476,17 @@ def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(of
         a.assert_same(b, f"path {k}")
 
 
+def test_an_update_out_of_place_refuses_found_inf():
+    """A skipped step would leave the outputs unwritten, and a caller would swap them in."""
+    state = State.random([10], 2, F32)
+    new = host_optim.NewStates([torch.zeros(10)], [torch.zeros(10)], [torch.zeros(10)])
+    with pytest.raises(ValueError, match="found_inf with new_states"):
+        host_optim.fused_adamw_(
+            state.params, _grads([10], F32, 0), *state.states, [], state.steps,
+            found_inf=torch.zeros(()), new_states=new, **ADAM, weight_decay=0.0,
+        )  # fmt: skip
+
+
 def test_an_update_out_of_place_checks_its_outputs():
     state = State.random([10], 2, F32)
     new = host_optim.NewStates([torch.zeros(10)], [torch.zeros(10)], [torch.zeros(9)])

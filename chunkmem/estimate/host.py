@@ -70,7 +70,7 @@ def _workspace(config: Config, sim: _Simulation, homes: list[str], gpu: bool) ->
         total += read_in * max(groups) * state_bytes_per_element(config, on_device=False)
     if gpu and any(home != "device" for home in homes):
         total += max(groups) * 2 * sim.itemsize
-    return total + _speculation(config, sim, homes)
+    return total + _speculation(config, sim, homes, gpu)
 
 
 def _nvme_staging(config: Config) -> int:
@@ -80,21 +80,29 @@ def _nvme_staging(config: Config) -> int:
     return nvme_staging_bytes(nvme.block_size, nvme.io_threads)
 
 
-def _speculation(config: Config, sim: _Simulation, homes: list[str]) -> int:
+def _speculation(config: Config, sim: _Simulation, homes: list[str], gpu: bool) -> int:
     """The buffers that make speculative host updates undoable (``offload.speculation``): of
     every group updated on the host, shadows of its state chunks (a home in host memory:
     their span's elements, padding included) and copies of what its update overwrites in
     place (its span's parameters, padding left out), in the order the groups become final
-    (last packed first), as many as ``offload.speculation_bytes`` allows."""
+    (last packed first), as many as ``offload.speculation_bytes`` allows. fp32 gradients
+    that the kernel divides by the world size where they lie (in host memory: a GPU's are
+    staged) are copied too."""
     if not config.offload.overlap or not speculative_reasons(config):
         return 0
     state_itemsize = STATE_DTYPES[config.offload.state_dtype].itemsize
+    divided_grads = not sim.mixed and sim.sharding.world_size > 1 and not gpu
     group_bytes = []
     for layout, home in zip(sim.packed.trainable, homes, strict=True):
         if home == "device":
             continue
         shadow, copy = Snapshot.bytes_per_element(
-            sim.mixed, state_itemsize, not sim.separate_grads, sim.itemsize, home == "host"
+            sim.mixed,
+            state_itemsize,
+            not sim.separate_grads,
+            sim.itemsize,
+            home == "host",
+            divided_grads,
         )
         group_bytes.append(
             sim.state_elements(layout) * shadow + _updated_elements(sim, layout) * copy
