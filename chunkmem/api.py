@@ -19,7 +19,6 @@ from chunkmem.engine import Engine, engine_of
 from chunkmem.errors import CapacityError, ConfigError
 from chunkmem.grads import GradStore
 from chunkmem.hooks import ModuleHooks
-from chunkmem.layout_update import UpdateBuilder, native_host_optimizer
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.machine import HOST_SHARE, default_host_capacity, host_available_bytes
 from chunkmem.manager import ChunkManager
@@ -45,6 +44,8 @@ from chunkmem.sizing import (
 from chunkmem.strategies import build_strategy
 from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
+from chunkmem.update_builder import UpdateBuilder
+from chunkmem.update_kernels import native_host_optimizer
 
 if TYPE_CHECKING:
     from zero.comm import Communicator

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from chunkmem import engine_reports
+from chunkmem import engine_reports, engine_state
 from chunkmem.config import Config
 from chunkmem.errors import CollectiveError, EngineUsageError, TierDataError
 from chunkmem.eval_cycles import EvalCycles
@@ -412,15 +412,7 @@ class Engine:
         Keys are those of ``module.state_dict()`` (tied parameters appear under each name).
         Under ZeRO the shards are gathered, so every rank must call it.
         """
-        values = self.params.parameter_values()
-        state = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            packed = values.get(id(value)) if isinstance(value, torch.nn.Parameter) else None
-            if packed is not None:
-                state[key] = packed.clone()
-            else:
-                state[key] = value.detach().to("cpu", copy=True)
-        return state
+        return engine_state.state_dict(self)
 
     def save_checkpoint(self, directory: str | Path, client_state: Any = None) -> Path:
         """Write everything training needs to continue into the new directory ``directory``:
@@ -429,11 +421,7 @@ class Engine:
         ``client_state`` (e.g. the data position), the config and the world size. Every
         rank calls it between optimizer steps and writes only its own shard. Atomic: the
         directory appears complete or not at all. Returns its path (docs/checkpoints.md)."""
-        self._check_between_steps("save_checkpoint")
-        from chunkmem.checkpoint import save_checkpoint  # DCP is imported when first used
-
-        with self._stop_on_collective_failure():
-            return save_checkpoint(self, directory, client_state)
+        return engine_state.save_checkpoint(self, directory, client_state)
 
     def load_checkpoint(self, directory: str | Path) -> Any:
         """Continue from a checkpoint written by :meth:`save_checkpoint`, at any world size,
@@ -441,21 +429,7 @@ class Engine:
         optimizer steps, usually right after ``initialize``. A checkpoint that is incomplete
         or does not fit this model and config raises :class:`CheckpointError`, naming each
         difference, and changes nothing; a failure while reading stops the engine."""
-        self._check_between_steps("load_checkpoint")
-        from chunkmem.checkpoint import prepare_load
-
-        with self._stop_on_collective_failure():
-            load = prepare_load(self, directory)
-            try:
-                return load()
-            except BaseException as error:
-                if self.stopped_because is None:
-                    self._stop(
-                        f"load_checkpoint({str(directory)!r}) failed part-way "
-                        f"({type(error).__name__}: {error}); parameters and optimizer states "
-                        f"may be partly loaded"
-                    )
-                raise
+        return engine_state.load_checkpoint(self, directory)
 
     def _check_between_steps(self, what: str) -> None:
         self._check_not_stopped()
@@ -504,7 +478,7 @@ class Engine:
             return
         try:
             if self.phase is not EnginePhase.STOPPED:
-                self._restore_parameters()
+                engine_state.restore_parameters(self)
         finally:
             self._closed = True
             self.hooks.detach()
@@ -515,16 +489,6 @@ class Engine:
             _ENGINE_OF.pop(self.module, None)
             self.residency.settle_drains()  # no copy off the device outlives the engine
             self.residency.tiers.close()  # after the values were read from them
-
-    def _restore_parameters(self) -> None:
-        params = self.params
-        if not params.all_packed:
-            params.pack_remaining(self.residency.tiers.spill)
-        values = params.parameter_values()
-        for key, slot in params.slots.items():
-            dtype, device = params.original[key]
-            slot.param.data = values[key].to(device=device, dtype=dtype, copy=True)
-            slot.bound = False
 
     def chunk_summary(self) -> dict[str, Any]:
         """The chunk layouts and the size search that chose them."""

@@ -33,15 +33,12 @@ import torch
 
 from chunkmem.chunk import ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.errors import ConfigError
-from chunkmem.layout_update import (
-    LayoutUpdate,
-    Piece,
-    UpdateBuilder,
-    fp32_norms,
-    owned_pieces,
-)
+from chunkmem.layout_update import LayoutUpdate
+from chunkmem.pieces import Piece, owned_pieces
 from chunkmem.tiers import StorageTier
 from chunkmem.tracer import Moment, Phase
+from chunkmem.update_builder import UpdateBuilder
+from chunkmem.update_kernels import fp32_norms
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -114,7 +111,7 @@ class ChunkAdam:
     its ZeRO shard), as flat pieces of the slots that intersect that span. Gradients are
     divided by ``grad_divisor`` (loss scale over clip coefficient) and, under ZeRO, by the
     world size: the reduce-scatter sums, the update averages. ``updates`` builds each layout's
-    update (``chunkmem.layout_update``).
+    update (``chunkmem.update_builder``).
     """
 
     def __init__(self, updates: UpdateBuilder) -> None:

@@ -47,7 +47,8 @@ from dataclasses import dataclass, field
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
-from chunkmem.layout_update import LayoutUpdate, Piece, spans
+from chunkmem.layout_update import LayoutUpdate
+from chunkmem.pieces import Piece, spans
 from chunkmem.residency import Residency
 from chunkmem.staging import Staging
 from chunkmem.tiers import StorageTier

@@ -410,12 +410,12 @@ def test_exception_in_forward_aborts_the_cycle_cleanly(precision: str) -> None:
 
 
 def test_mixed_precision_step_in_small_workspace_pieces_is_exact(monkeypatch) -> None:
-    from chunkmem import layout_update
+    from chunkmem import update_builder
 
     model = GPT(SMALL)
     data = token_batches(3, batch=2, seq=16, vocab=64)
     reference = train_reference(model, data, precision="bf16")
-    monkeypatch.setattr(layout_update, "WORKSPACE_ELEMENTS", 100)  # cuts every weight in pieces
+    monkeypatch.setattr(update_builder, "WORKSPACE_ELEMENTS", 100)  # cuts every weight in pieces
     engine = make_engine(copy.deepcopy(model), tight_capacity(SMALL, "bf16"), precision="bf16")
     train_engine(engine, data)
     # The fused kernel's vector body and scalar tail may round differently in the last bit,
@@ -424,7 +424,7 @@ def test_mixed_precision_step_in_small_workspace_pieces_is_exact(monkeypatch) ->
 
 
 def test_pieces_cover_owned_elements_once_within_the_limit() -> None:
-    from chunkmem.layout_update import cut, owned_pieces
+    from chunkmem.pieces import cut, owned_pieces
 
     layout = ChunkLayout(0, 1000, trainable=True)
     slots = [layout.add(f"p{n}", nn.Parameter(torch.zeros(n))) for n in (5, 23, 7, 40)]

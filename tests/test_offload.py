@@ -292,7 +292,7 @@ def test_the_old_placement_key_still_works_with_a_warning() -> None:
 def test_without_the_native_library_torch_runs_the_host_update_and_says_so(
     monkeypatch, caplog
 ) -> None:
-    from chunkmem import layout_update
+    from chunkmem import update_kernels
     from kernels import host_optim
     from kernels._build import BuildError
 
@@ -301,9 +301,9 @@ def test_without_the_native_library_torch_runs_the_host_update_and_says_so(
 
     monkeypatch.setattr(host_optim, "load_library", no_compiler)
     with caplog.at_level(logging.WARNING, logger="chunkmem"):
-        assert layout_update.native_host_optimizer.__wrapped__() is None
+        assert update_kernels.native_host_optimizer.__wrapped__() is None
     assert "native host optimizer cannot be used (no C++ compiler" in caplog.text
-    monkeypatch.setattr(layout_update, "native_host_optimizer", lambda: None)
+    monkeypatch.setattr(update_kernels, "native_host_optimizer", lambda: None)
     model, data = make_model(), batches(6, rows=8)
     engine = initialize(make_model(), device=DEVICE, offload={"optimizer": "host"})
     train_engine(engine, data)

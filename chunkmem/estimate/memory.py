@@ -37,10 +37,10 @@ from chunkmem.costs import StrategyCosts, Traffic, WireTally
 from chunkmem.estimate.host import host_bytes, state_bytes_per_element
 from chunkmem.estimate.layouts import Layouts
 from chunkmem.estimate.trace import ModelTrace
-from chunkmem.layout_update import WORKSPACE_ELEMENTS
 from chunkmem.ledger import WORKSPACE
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.sizing import COMPUTE_DTYPES, separate_grads
+from chunkmem.update_builder import WORKSPACE_ELEMENTS
 
 ACTIVATIONS = "activations"
 
