@@ -47,6 +47,7 @@ def frozen_variance_adam_(
     found_inf: torch.Tensor | None = None,
     params_out: Sequence[torch.Tensor] | None = None,
     new_states: NewStates | None = None,
+    grads_saved: Sequence[torch.Tensor | None] | None = None,
     num_threads: int | None = None,
 ) -> None:
     """One Adam (``decoupled``: AdamW) step in place that reads ``exp_avg_sqs`` and leaves them
@@ -62,13 +63,17 @@ def frozen_variance_adam_(
     are, bias-corrected by ``1 - momentum ** steps_frozen`` instead of Adam's.
 
     ``new_states`` (an update out of place, as the host kernels take it): the inputs are
-    copied there and updated, and stay as they were."""
+    copied there and updated, and stay as they were. ``grads_saved``: for each gradient, None or
+    a tensor that receives it as it is before the update (the host kernels' argument)."""
     if amsgrad or maximize or max_exp_avg_sqs or found_inf is not None:
         raise ValueError(
             "the frozen-variance update supports neither amsgrad, maximize nor found_inf"
         )
     if steps_frozen < 1:
         raise ValueError(f"steps_frozen must be >= 1 (this step is frozen), got {steps_frozen}")
+    if grads_saved is not None:
+        saves = [(t, g) for t, g in zip(grads_saved, grads, strict=True) if t is not None]
+        torch._foreach_copy_([t for t, _g in saves], [g for _t, g in saves])
     if new_states is not None:
         torch._foreach_copy_(
             [*new_states.params, *new_states.exp_avgs, *new_states.exp_avg_sqs],

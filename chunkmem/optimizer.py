@@ -211,6 +211,7 @@ class ChunkAdam:
             divisor,
             defer_reads=True,
             into=None if snapshot is None else snapshot.shadows,
+            grads_saved=None if snapshot is None else snapshot.grad_saves(),
         )
         if snapshot is not None:
             snapshot.attach(update)

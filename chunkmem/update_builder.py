@@ -75,12 +75,15 @@ class UpdateBuilder:
         divisor: float,
         defer_reads: bool = False,
         into: dict[ChunkKind, torch.Tensor] | None = None,
+        grads_saved: list[torch.Tensor | None] | None = None,
     ) -> LayoutUpdate:
         """Chunks ready and pinned on the work tier, step counts advanced, kernel calls
         built. ``defer_reads``: states still being read from their home are waited for in
         ``run`` (on its thread), not here. ``into``: host tensors laid out like the payloads
         of those chunk kinds, which receive their new values (the chunks are only read: an
-        update out of place, which only the native host kernels take)."""
+        update out of place, which only the native host kernels take). ``grads_saved``: for
+        each piece, None or a host tensor that receives its gradient as the kernel reads it
+        (native host kernels only)."""
         stack = contextlib.ExitStack()
         reads: list[Waitable] = []
         try:
@@ -99,9 +102,10 @@ class UpdateBuilder:
                 else torch.tensor(divisor, dtype=torch.float32, device=device)
             )
             kernels = None if work.compute else self.host_kernels()
-            if into and kernels is None:
+            if (into or grads_saved) and kernels is None:
                 raise ValueError(
-                    "an update out of place needs the native host optimizer on host memory"
+                    "an update out of place, or one that saves the gradients it reads, needs "
+                    "the native host optimizer on host memory"
                 )
             if kernels is None:
                 calls = [
@@ -113,7 +117,15 @@ class UpdateBuilder:
                 grads: list[torch.Tensor] = []
             else:
                 calls, after, grads = self._host_calls(
-                    kernels, chunks, pieces, step_of, grad_scale, work, stack, into or {}
+                    kernels,
+                    chunks,
+                    pieces,
+                    step_of,
+                    grad_scale,
+                    work,
+                    stack,
+                    into or {},
+                    grads_saved,
                 )
         except BaseException:
             stack.close()
@@ -137,13 +149,14 @@ class UpdateBuilder:
         work: StorageTier,
         stack: contextlib.ExitStack,
         into: dict[ChunkKind, torch.Tensor],
+        grads_saved: list[torch.Tensor | None] | None,
     ) -> tuple[list[Callable[[], None]], list[Callable[[], None]], list[torch.Tensor]]:
         """The native kernel calls of a layout updated in host memory, one per parameter
         group, what ``finish`` does after them, and the gradients the calls read. With fp32
         masters it is one pass from the 16-bit gradients to the 16-bit parameters, through
         host buffers where those live on a GPU; pieces are passed whole, so the bits are
-        torch's fused kernel's on them. The kinds of ``into`` are written there (see
-        :meth:`prepare`)."""
+        torch's fused kernel's on them. The kinds of ``into`` are written there, and the
+        gradients saved to ``grads_saved`` (see :meth:`prepare`)."""
         grad_source = self.grads.reducer.grad_source
         sources = [grad_source(s) for s, _lo, _hi in pieces]
         grads = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
@@ -200,6 +213,9 @@ class UpdateBuilder:
                     new_states=None
                     if new is None
                     else kernels.NewStates(*([t[i] for i in positions] for t in new)),
+                    grads_saved=None
+                    if grads_saved is None
+                    else [grads_saved[i] for i in positions],
                     num_threads=self.host_threads,
                 )
             )

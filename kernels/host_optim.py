@@ -58,9 +58,9 @@ _ptrs, _numels_t = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int6
 _i32, _f64, _ptr = ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _SIGNATURES = {
     # params, grads, exp_avgs, exp_avg_sqs, params_out, new_params, new_exp_avgs,
-    # new_exp_avg_sqs, steps; numels; count, grad, state and out dtypes; lr, beta1, beta2,
-    # weight_decay, eps; decoupled, grad_scale, num_threads
-    "adam": [*[_ptrs] * 9, _numels_t, *[_i32] * 4, *[_f64] * 5, _i32, _ptr, _i32],
+    # new_exp_avg_sqs, grads_saved, steps; numels; count, grad, state and out dtypes; lr,
+    # beta1, beta2, weight_decay, eps; decoupled, grad_scale, num_threads
+    "adam": [*[_ptrs] * 10, _numels_t, *[_i32] * 4, *[_f64] * 5, _i32, _ptr, _i32],
     # params, grads, momentum_buffers, params_out; numels; count, grad, state and out dtypes; lr,
     # momentum, dampening, weight_decay; nesterov, first_step, grad_scale, num_threads
     "sgd": [*[_ptrs] * 4, _numels_t, *[_i32] * 4, *[_f64] * 4, _i32, _i32, _ptr, _i32],
@@ -140,6 +140,7 @@ def fused_adamw_(
     found_inf: torch.Tensor | None = None,
     params_out: Sequence[torch.Tensor] | None = None,
     new_states: NewStates | None = None,
+    grads_saved: Sequence[torch.Tensor | None] | None = None,
     num_threads: int | None = None,
 ) -> None:
     """AdamW (decoupled weight decay) in place: ``torch._fused_adamw_`` on the host.
@@ -150,7 +151,10 @@ def fused_adamw_(
     and ``maximize`` are not supported (``max_exp_avg_sqs`` must be empty). ``new_states``:
     where the new parameters and moments go, the inputs left as they were (an update out of
     place, bit for bit the one in place: ``host_optim_cpu.cpp``, [Note: updates out of
-    place]). ``num_threads`` defaults to ``torch.get_num_threads()``.
+    place]). ``grads_saved``: for each gradient, None or a tensor of its dtype and size that
+    receives it as read, before any division (what an undoable update needs of gradients it
+    overwrites or divides, saved in the same pass). ``num_threads`` defaults to
+    ``torch.get_num_threads()``.
     """
     _adam(**locals(), decoupled=True)
 
@@ -174,6 +178,7 @@ def fused_adam_(
     found_inf: torch.Tensor | None = None,
     params_out: Sequence[torch.Tensor] | None = None,
     new_states: NewStates | None = None,
+    grads_saved: Sequence[torch.Tensor | None] | None = None,
     num_threads: int | None = None,
 ) -> None:
     """Adam with L2 weight decay (added to the gradient) in place: ``torch._fused_adam_`` on
@@ -262,6 +267,7 @@ def _adam(
     found_inf,
     params_out,
     new_states,
+    grads_saved,
     num_threads,
     decoupled: bool,
 ) -> None:
@@ -285,10 +291,13 @@ def _adam(
                 "found_inf with new_states: a skipped step would leave the new states unwritten; "
                 "check for infinities before an update out of place"
             )
+    if grads_saved is not None:
+        _check_saved(grads_saved, grads)
     threads = _threads(num_threads)
     if _skipped(grad_scale, found_inf) or count == 0:
         return
     outputs = (params, exp_avgs, exp_avg_sqs) if new_states is None else new_states
+    saved = [t for t in grads_saved or () if t is not None]
     _library().call(
         "adam",
         _addresses(params),
@@ -297,6 +306,7 @@ def _adam(
         _addresses(exp_avg_sqs),
         _addresses(params_out) if params_out else None,
         *([None] * 3 if new_states is None else [_addresses(t) for t in new_states]),
+        _addresses(grads_saved) if saved else None,
         _addresses(state_steps),
         _numels(params),
         count,
@@ -317,6 +327,7 @@ def _adam(
         [*outputs[1], *outputs[2]],
         params_out,
         grads if grad_scale is not None else None,
+        saved,
     )
 
 
@@ -408,6 +419,20 @@ def _check_new_states(new_states: NewStates, params, exp_avgs) -> None:
     _check_list("new_states.exp_avg_sqs", new_states.exp_avg_sqs, params, (dtype,))
 
 
+def _check_saved(grads_saved: Sequence[torch.Tensor | None], grads) -> None:
+    """Where gradients are saved: None, or a tensor like the gradient (dtype and size)."""
+    if len(grads_saved) != len(grads):
+        raise ValueError(f"grads_saved has {len(grads_saved)} entries but grads has {len(grads)}")
+    for i, (t, g) in enumerate(zip(grads_saved, grads, strict=True)):
+        if t is None:
+            continue
+        _check_tensor("grads_saved", i, t, (g.dtype,))
+        if t.numel() != g.numel():
+            raise ValueError(
+                f"grads_saved[{i}] has {t.numel()} elements but grads[{i}] has {g.numel()}"
+            )
+
+
 def _check_scalar(name: str, t: object) -> None:
     if (
         not isinstance(t, torch.Tensor)
@@ -450,8 +475,9 @@ def _skipped(grad_scale, found_inf) -> bool:
 # ---- ctypes ----
 
 
-def _addresses(tensors: Sequence[torch.Tensor]) -> ctypes.Array:
-    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+def _addresses(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array:
+    """The tensors' data pointers (null for None)."""
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
 
 def _numels(tensors: Sequence[torch.Tensor]) -> ctypes.Array:

@@ -43,6 +43,7 @@ rollback restores every bit and then runs it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -55,7 +56,14 @@ from chunkmem.tiers import StorageTier
 
 SPECULATION = "speculation"  # the ledger's (and the report's) name for the kept buffers' bytes
 
-Target = tuple[ChunkKind, list[Piece]]  # a chunk kind and the pieces of it copied
+
+class Target(NamedTuple):
+    """A chunk kind and the pieces of it that the update overwrites, copied first; ``grads``:
+    they are the gradients the update reads, which its kernel saves as it reads them."""
+
+    kind: ChunkKind
+    pieces: list[Piece]
+    grads: bool = False
 
 
 @dataclass
@@ -86,12 +94,16 @@ class Snapshot:
         self.pieces = pieces
         self.update: LayoutUpdate | None = None  # attached once prepared
         self.grad_slots = [s for s, _lo, _hi in pieces if s.grad_in_param_slot]
-        self.targets = targets
         self._residency = residency
         self._kept = kept
-        self._copies = copies  # dtype -> host tensor, sized for the targets
-        self._filled: dict[torch.dtype, int] = {}
-        self._saved: list[tuple[ChunkKind, list[Piece], torch.Tensor]] = []
+        # Each target with its part of the copy buffer of its dtype (sized for the targets).
+        self._saved: list[tuple[Target, torch.Tensor]] = []
+        filled: dict[torch.dtype, int] = {}
+        for target in targets:
+            dtype = layout.chunks[target.kind].dtype
+            start = filled.get(dtype, 0)
+            filled[dtype] = start + sum(hi - lo for _s, lo, hi in target.pieces)
+            self._saved.append((target, copies[dtype][start : filled[dtype]]))
 
     @property
     def shadows(self) -> dict[ChunkKind, torch.Tensor]:
@@ -124,22 +136,22 @@ class Snapshot:
         which the kernel leaves divided by the loss scale and world size (as torch does)."""
         value = ChunkKind.MASTER if ChunkKind.MASTER in layout.chunks else ChunkKind.PARAM
         targets = [
-            (kind, pieces)
+            Target(kind, pieces)
             for kind in (value, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
             if kind not in shadowed
         ]
         in_slot = [p for p in pieces if p[0].grad_in_param_slot]
         if ChunkKind.MASTER in layout.chunks and in_slot:
-            targets.append((ChunkKind.PARAM, in_slot))
+            targets.append(Target(ChunkKind.PARAM, in_slot, grads=True))
         if divided_grads is not None:
-            targets.append((divided_grads, pieces))
+            targets.append(Target(divided_grads, pieces, grads=True))
         return targets
 
     @staticmethod
     def copy_elements(layout: ChunkLayout, targets: list[Target]) -> dict[torch.dtype, int]:
         """Elements of each dtype the copies of ``targets`` take."""
         needed: dict[torch.dtype, int] = {}
-        for kind, pieces in targets:
+        for kind, pieces, _grads in targets:
             dtype = layout.chunks[kind].dtype
             needed[dtype] = needed.get(dtype, 0) + sum(hi - lo for _s, lo, hi in pieces)
         return needed
@@ -172,20 +184,28 @@ class Snapshot:
         update.before_run.append(self.take)
         update.on_stand.append(self.stand)
 
+    def grad_saves(self) -> list[torch.Tensor | None] | None:
+        """For each piece, where the update's kernel saves the gradient it reads, as it reads
+        it (None for a gradient the update neither overwrites nor divides); None where it
+        overwrites none. Saving in the kernel's pass writes 2 bytes per 16-bit element where a
+        copy before it would read the gradient too, and read it again from memory."""
+        for target, buffer in self._saved:
+            if target.grads:
+                sizes = [hi - lo for _s, lo, hi in target.pieces]
+                saves = dict(zip(map(_key, target.pieces), torch.split(buffer, sizes), strict=True))
+                return [saves.get(_key(piece)) for piece in self.pieces]
+        return None
+
     def take(self) -> None:
         """On the update's thread before its kernels (its reads are in): copy what it
-        overwrites in place, and into each shadow the elements it does not update."""
+        overwrites in place (the gradients it reads: its kernel saves them, see
+        :meth:`grad_saves`), and into each shadow the elements it does not update."""
         assert self.update is not None
         chunks = self.update.chunks
-        for kind, pieces in self.targets:
-            chunk = chunks.get(kind) or self.layout.chunks[kind]  # a gradient chunk: its own
-            views = spans(chunk, pieces)
-            size = sum(v.numel() for v in views)
-            start = self._filled.get(chunk.dtype, 0)
-            buffer = self._copies[chunk.dtype][start : start + size]
-            self._filled[chunk.dtype] = start + size
-            torch._foreach_copy_(list(torch.split(buffer, [v.numel() for v in views])), views)
-            self._saved.append((kind, pieces, buffer))
+        for target, buffer in self._saved:
+            if not target.grads:
+                views = spans(chunks[target.kind], target.pieces)
+                torch._foreach_copy_(list(torch.split(buffer, [v.numel() for v in views])), views)
         for kind, shadow in self.shadows.items():
             chunk = chunks[kind]
             payload = chunk.payload
@@ -207,7 +227,7 @@ class Snapshot:
         they are: the chunks they stand for were only read."""
         assert self.update is not None
         layout = self.layout
-        for kind, pieces, buffer in self._saved:
+        for (kind, pieces, _grads), buffer in self._saved:
             chunk = layout.chunks[kind]
             with staging.borrowed(chunk, write=True, reason="rollback"):
                 views = spans(chunk, pieces)
@@ -226,6 +246,11 @@ class Snapshot:
         for slot in self.grad_slots:
             slot.grad_in_param_slot = True
             self.update.slot_ids.discard(id(slot))
+
+
+def _key(piece: Piece) -> tuple[int, int, int]:
+    slot, lo, hi = piece
+    return id(slot), lo, hi
 
 
 def not_updated(chunk: Chunk, pieces: list[Piece]) -> list[tuple[int, int]]:

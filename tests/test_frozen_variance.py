@@ -83,11 +83,13 @@ def test_an_update_out_of_place_equals_the_one_in_place() -> None:
     kept = [[t.clone() for t in ts] for ts in inputs]
     in_place = [[t.clone() for t in ts] for ts in inputs]
     new = NewStates(*([torch.full_like(t, float("nan")) for t in ts] for ts in inputs))
-    for states, out in ((in_place, None), (inputs, new)):
+    saved = [torch.full_like(grads[0], float("nan")), None]
+    for states, out, saves in ((in_place, None, None), (inputs, new, saved)):
         frozen_variance_adam_(
             states[0], grads, states[1], states[2], [], [torch.tensor(9.0)] * 2, **HYPER,
-            decoupled=True, steps_frozen=2, new_states=out,
+            decoupled=True, steps_frozen=2, new_states=out, grads_saved=saves,
         )  # fmt: skip
+    assert torch.equal(saved[0], grads[0]), "the gradient saved as the update read it"
     for before, after in zip(kept, inputs, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     for want, got in zip(in_place, new, strict=True):

@@ -476,6 +476,45 @@ def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(of
         a.assert_same(b, f"path {k}")
 
 
+def host_adam_step_saving_grads(state: State, grads, offset: int = 0, **kwargs) -> None:
+    """The update with every other gradient saved ``offset`` elements into a NaN buffer (0:
+    the lanes stream the copies; 3: they store them through the cache), out of place and in
+    place alternately; the saved gradients are the inputs' bits, before any division."""
+    before = [g.clone() for g in grads]
+    saved = [_nan_at(offset, g) if i % 2 == 0 else None for i, g in enumerate(grads)]
+    step = host_adam_step_out_of_place if int(state.steps[0]) % 2 else host_adam_step
+    step(state, grads, grads_saved=saved, **kwargs)
+    for i, (copy, grad) in enumerate(zip(saved, before, strict=True)):
+        if copy is not None:
+            assert_same_bits(copy, grad, f"the saved gradient {i}")
+
+
+@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "unaligned"])
+def test_an_update_saves_the_gradients_it_reads_and_gives_the_same_bits(offset):
+    """Every kind of Adam step, fp32 gradients divided where they lie included."""
+    plain = _every_path(host_adam_step, host_sgd_step)
+    saving = _every_path(
+        functools.partial(host_adam_step_saving_grads, offset=offset), host_sgd_step
+    )
+    for k, (a, b) in enumerate(zip(saving, plain, strict=True)):
+        a.assert_same(b, f"path {k}")
+
+
+def test_saved_gradients_are_checked():
+    state = State.random([10], 2, F32)
+    grads = _grads([10], BF16, 0)
+    with pytest.raises(TypeError, match=r"grads_saved\[0\] has dtype torch.float32"):
+        host_optim.fused_adamw_(
+            state.params, grads, *state.states, [], state.steps,
+            grads_saved=[torch.zeros(10)], **ADAM, weight_decay=0.0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"grads_saved has 2 entries but grads has 1"):
+        host_optim.fused_adamw_(
+            state.params, grads, *state.states, [], state.steps,
+            grads_saved=[None, None], **ADAM, weight_decay=0.0,
+        )  # fmt: skip
+
+
 def test_an_update_out_of_place_refuses_found_inf():
     """A skipped step would leave the outputs unwritten, and a caller would swap them in."""
     state = State.random([10], 2, F32)

@@ -105,7 +105,8 @@ inline __m256 splat(float x) { return _mm256_set1_ps(x); }
 // does); states are of type S; a 16-bit copy of the new parameters goes to out unless O is
 // NoOut (see store_out8 for STREAM).
 // One tensor's rows for adam_lanes: what it reads (p, g, m, v) and where the new values go
-// (p_new, m_new, v_new: the same pointers for an update in place).
+// (p_new, m_new, v_new: the same pointers for an update in place); g_saved, when not null,
+// receives the gradients as read (see save8), streamed where stream_saved says so.
 template <class G, class S>
 struct AdamRows {
   const float* p;
@@ -115,7 +116,30 @@ struct AdamRows {
   float* p_new;
   typename S::Raw* m_new;
   typename S::Raw* v_new;
+  typename G::Raw* g_saved = nullptr;
+  bool stream_saved = false;
 };
+
+// 8 gradients copied as they are (before any division) from src to dst, for an update that
+// overwrites them and may be undone (offload/speculation.py). The lanes load src anyway, so
+// the copy costs its store only; with stream (dst aligned to the 8 values' size) the store
+// does not read the line first: the copy is read again only if the step rolls back.
+template <class G>
+inline void save8(typename G::Raw* dst, const typename G::Raw* src, bool stream) {
+  if constexpr (sizeof(typename G::Raw) == 4) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    if (stream)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), x);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), x);
+  } else {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    if (stream)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(dst), x);
+    else
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), x);
+  }
+}
 
 // An fp32 row of new values: with STREAM_NEW (an update out of place, each row 32-byte aligned)
 // it goes to memory without its line being read first. The kernel never reads what it writes
@@ -144,7 +168,10 @@ void adam_lanes(const AdamScalars& s, int64_t n, const AdamRows<G, S>& rows,
   // Locals, not s's fields: the stores below could alias s, which would reload them per step.
   const bool decay = s.decay, decoupled = s.decoupled, small_lerp = s.small_lerp;
   const __m256 scale = splat(grad_scale ? *grad_scale : 1.0f);
+  typename G::Raw* const g_saved = rows.g_saved;
+  const bool stream_saved = rows.stream_saved;
   for_steps<O, STREAM>(n, out, [&](int64_t i) {
+    if (g_saved) save8<G>(g_saved + i, g + i, stream_saved);
     __m256 grad = load8<G>(g + i);
     if (grad_scale) {
       grad = _mm256_div_ps(grad, scale);
@@ -174,7 +201,7 @@ void adam_lanes(const AdamScalars& s, int64_t n, const AdamRows<G, S>& rows,
     store_new8<kStreamNew>(rows.p_new + i, param);
     return param;
   });
-  if constexpr (kStreamNew) _mm_sfence();  // streamed stores are weakly ordered
+  if (kStreamNew || stream_saved) _mm_sfence();  // streamed stores are weakly ordered
 }
 
 template <class G, class S, class O, bool STREAM>

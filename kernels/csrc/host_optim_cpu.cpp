@@ -116,13 +116,15 @@ inline float scaled_grad(typename G::Raw* g, int64_t i, const float* grad_scale)
 
 // Elements [begin, end) of one tensor of `numel` elements: reads p, m, v and writes the new
 // values to p_new, m_new, v_new (the same pointers for an update in place; see
-// [Note: updates out of place]).
+// [Note: updates out of place]); g_saved, when not null, receives the gradients as read.
 template <class G, class S, class O>
 void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end, const float* p,
                 typename G::Raw* g, const typename S::Raw* m, const typename S::Raw* v,
                 float* p_new, typename S::Raw* m_new, typename S::Raw* v_new,
-                typename O::Raw* out, const float* grad_scale, bool large_call) {
+                typename G::Raw* g_saved, typename O::Raw* out, const float* grad_scale,
+                bool large_call) {
   const auto element = [&](auto tail, int64_t i) {
+    if (g_saved) g_saved[i] = g[i];
     const float grad = scaled_grad<G>(g, i, grad_scale);
     float param = p[i], exp_avg = load<S>(m, i), exp_avg_sq = load<S>(v, i);
     cmo::adam_element<decltype(tail)::value>(s, grad, param, exp_avg, exp_avg_sq);
@@ -144,8 +146,11 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
   if (i < body) {
     const int64_t n = (body - i) / cmo::kLanes * cmo::kLanes;  // the rest: one at a time, below
     typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
-    const cmo::avx2::AdamRows<G, S> rows{p + i, g + i, m + i, v + i, p_new + i, m_new + i,
-                                         v_new + i};
+    typename G::Raw* const saved = g_saved ? g_saved + i : nullptr;
+    const bool stream_saved =
+        saved && reinterpret_cast<uintptr_t>(saved) % (cmo::kLanes * sizeof(*saved)) == 0;
+    const cmo::avx2::AdamRows<G, S> rows{p + i,     g + i,     m + i, v + i, p_new + i,
+                                         m_new + i, v_new + i, saved, stream_saved};
     const bool stream_out = may_stream<O>(large_call, o);
     if (may_stream_new<S>(rows))
       stream_out ? cmo::avx2::adam_lanes<G, S, O, true, true>(s, n, rows, o, grad_scale)
@@ -287,7 +292,9 @@ int cmo_cpu_has_avx2() {
 // the tensor's step count (already incremented). grad_scale, when not null, points at the
 // number the gradients are divided by. new_params, new_exp_avgs and new_exp_avg_sqs, when not
 // null, receive the new values and the inputs are only read ([Note: updates out of place]);
-// null: the update is in place.
+// null: the update is in place. grads_saved, when not null, holds for each tensor null or a
+// buffer of its gradient's dtype and size that receives the gradient as read, before any
+// division: what an undoable update needs of the gradients it overwrites or divides.
 //
 // [Note: updates out of place] A speculative update (offload/speculation.py) must leave its
 // inputs as they were until the step knows it stands, so it writes the new fp32 values and
@@ -297,7 +304,7 @@ int cmo_cpu_has_avx2() {
 int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
                  void* const* exp_avg_sqs, void* const* params_out, void* const* new_params,
                  void* const* new_exp_avgs, void* const* new_exp_avg_sqs,
-                 const float* const* steps, const int64_t* numels, int count, int grad_dtype,
+                 void* const* grads_saved, const float* const* steps, const int64_t* numels, int count, int grad_dtype,
                  int state_dtype, int out_dtype, double lr, double beta1, double beta2,
                  double weight_decay, double eps, int decoupled, const float* grad_scale,
                  int num_threads) {
@@ -324,6 +331,7 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
                           new_params ? static_cast<float*>(new_params[i]) : p,
                           new_exp_avgs ? as<S>(new_exp_avgs[i]) : m,
                           new_exp_avg_sqs ? as<S>(new_exp_avg_sqs[i]) : v,
+                          grads_saved ? as<G>(grads_saved[i]) : nullptr,
                           std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale,
                           large);
     });
