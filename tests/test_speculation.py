@@ -11,6 +11,8 @@ import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.errors import EngineUsageError
+from chunkmem.pieces import owned_pieces
+from offload import speculation
 from offload.speculation import not_updated
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
 from tests.offload_helpers import Net, batches, initialize, make_model
@@ -222,11 +224,19 @@ class Branching(Net):
 
 
 @pytest.mark.parametrize("kind", ["clip", "clip_fp32"])
-def test_updates_out_of_place_keep_slots_without_a_gradient_exact(kind: str) -> None:
+def test_updates_out_of_place_keep_slots_without_a_gradient_exact(kind: str, monkeypatch) -> None:
     """Host states are updated out of place and swapped in when the step stands
     (offload/speculation.py): the shadow must carry what the update leaves out (a layer left
     out on odd steps, padding) and alternate with the payload it replaced. Steps equal the
-    serial ones bit for bit, clipping forced or not."""
+    serial ones bit for bit, clipping forced or not. Padding is copied once per shadow (each
+    update writes none of it) and stays equal in both buffers."""
+    padding_copies = []
+
+    def counted(chunk: Chunk, pieces: list) -> list:
+        padding_copies.append(chunk.kind)
+        return not_updated(chunk, pieces)
+
+    monkeypatch.setattr(speculation, "not_updated", counted)
     data = batches(STEPS, rows=8)
     runs, engines, payloads = {}, {}, set()
     for overlap in (False, True):
@@ -248,7 +258,18 @@ def test_updates_out_of_place_keep_slots_without_a_gradient_exact(kind: str) -> 
     for serial, overlapped in zip(runs[False], runs[True], strict=True):
         assert all(torch.equal(serial[k], overlapped[k]) for k in serial)
     assert len(payloads) == 2, "a committed step swaps the shadow in; the next swaps back"
-    assert engines[True].optimizer.speculation.rollbacks == len(BIG)
+    speculated = engines[True].optimizer.speculation
+    assert speculated.rollbacks == len(BIG)
+    shadows = [(index, kind) for index, kept in speculated._kept.items() for kind in kept.shadows]
+    assert len(padding_copies) == len(shadows), "padding copied once per shadow, not a step"
+    for index, kept in speculated._kept.items():
+        layout = engines[True].optimizer.params.layouts[index]
+        for kind, shadow in kept.shadows.items():
+            chunk = layout.chunks[kind]
+            for lo, hi in not_updated(
+                chunk, owned_pieces(layout, (chunk.start, chunk.numel), False)
+            ):
+                assert torch.equal(shadow[lo:hi], chunk.payload[lo:hi])
 
 
 def test_what_an_update_leaves_out_is_the_complement_of_its_pieces() -> None:
