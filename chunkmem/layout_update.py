@@ -30,10 +30,9 @@ class LayoutUpdate:
         layout: ChunkLayout,
         slots: list[TensorSlot],
         stack: contextlib.ExitStack,
-        calls: list[Callable[[], None]],
+        build: Callable[[], tuple[list[Callable[[], None]], list[torch.Tensor]]],
         after: list[Callable[[], None]],
         reads: list[Waitable],
-        grads: list[torch.Tensor],
         chunks: dict[ChunkKind, Chunk],
         pieces: list[Piece],
         steps: list[torch.Tensor],
@@ -57,19 +56,19 @@ class LayoutUpdate:
         self.grad_norms: list[torch.Tensor] = []  # fp32 per piece, in the pieces' order
         self._builder = builder
         self._stack = stack
-        self._calls = calls
+        self._build = build  # the kernel calls and the gradients they read, built by ``run``
         self._after = after
         self._reads = reads
-        self._grads = grads  # what the kernels read (host copies of a GPU's gradients)
 
     def run(self) -> None:
         for read in self._reads:
             read.wait()
         for hook in self.before_run:
             hook()
-        if self.measure_grad_norms and self._grads:
-            self.grad_norms = fp32_norms(self._grads, self._builder.host_threads)
-        self._builder.run_calls(self._calls)
+        calls, grads = self._build()
+        if self.measure_grad_norms and grads:
+            self.grad_norms = fp32_norms(grads, self._builder.host_threads)
+        self._builder.run_calls(calls)
 
     def wait(self) -> None:
         """Until a run on another thread is done; raises what it raised."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -22,6 +23,26 @@ from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.pieces import Piece, cut, spans
 from chunkmem.sharding import Waitable
 from chunkmem.tiers import StorageTier
+
+# A layout's kernel calls and the gradients they read (LayoutUpdate.run builds them).
+KernelCalls = tuple[list[Callable[[], None]], list[torch.Tensor]]
+
+
+@dataclass
+class Staged:
+    """What a host update's preparation left for building its calls: each piece's gradient
+    (a host buffer's copy of a GPU's), and host buffers standing for a GPU's 16-bit values.
+    The gradients are sliced on the engine's thread: their chunk may be the reducer's, which
+    the update does not pin."""
+
+    grads: list[torch.Tensor]
+    outs: list[torch.Tensor] | None = None
+
+
+def _only(call: Callable[[], None]) -> KernelCalls:
+    """One call that reads its gradients itself (torch's kernel, on the engine's thread)."""
+    return [call], []
+
 
 # fp32 elements of gradient cast at once in bf16/fp16 training (the fused kernel needs fp32
 # gradients for fp32 masters): 1 MiB of workspace whatever the chunk size, so a large chunk
@@ -108,78 +129,104 @@ class UpdateBuilder:
                     "the native host optimizer on host memory"
                 )
             if kernels is None:
-                calls = [
-                    functools.partial(
-                        self._torch_update, chunks, pieces, slots, step_of, grad_scale, work
-                    )
-                ]
+                torch_call = functools.partial(
+                    self._torch_update, chunks, pieces, slots, step_of, grad_scale, work
+                )
+                build: Callable[[], KernelCalls] = functools.partial(_only, torch_call)
                 after: list[Callable[[], None]] = []
-                grads: list[torch.Tensor] = []
             else:
-                calls, after, grads = self._host_calls(
-                    kernels,
+                staged, after = self._stage(chunks, pieces, work, stack)
+                build = functools.partial(
+                    self._host_calls,
+                    self._host_kernel(kernels),
+                    kernels.NewStates,
                     chunks,
                     pieces,
                     step_of,
                     grad_scale,
-                    work,
-                    stack,
                     into or {},
                     grads_saved,
+                    staged,
                 )
         except BaseException:
             stack.close()
             raise
-        return LayoutUpdate(
-            self, layout, slots, stack, calls, after, reads, grads, chunks, pieces, steps
-        )
+        return LayoutUpdate(self, layout, slots, stack, build, after, reads, chunks, pieces, steps)
 
     def run_calls(self, calls: list[Callable[[], None]]) -> None:
         """Run one layout's kernel calls."""
         for call in calls:
             call()
 
-    def _host_calls(
+    def _stage(
         self,
-        kernels: ModuleType,
         chunks: dict[ChunkKind, Chunk],
         pieces: list[Piece],
-        step_of: dict[int, torch.Tensor],
-        grad_scale: torch.Tensor | None,
         work: StorageTier,
         stack: contextlib.ExitStack,
-        into: dict[ChunkKind, torch.Tensor],
-        grads_saved: list[torch.Tensor | None] | None,
-    ) -> tuple[list[Callable[[], None]], list[Callable[[], None]], list[torch.Tensor]]:
-        """The native kernel calls of a layout updated in host memory, one per parameter
-        group, what ``finish`` does after them, and the gradients the calls read. With fp32
-        masters it is one pass from the 16-bit gradients to the 16-bit parameters, through
-        host buffers where those live on a GPU; pieces are passed whole, so the bits are
-        torch's fused kernel's on them. The kinds of ``into`` are written there, and the
-        gradients saved to ``grads_saved`` (see :meth:`prepare`)."""
+    ) -> tuple[Staged, list[Callable[[], None]]]:
+        """The part of a host update's preparation that needs the engine's thread: each
+        piece's gradient, host buffers for a GPU's gradients (copied down now) and 16-bit
+        values (copied up by ``finish``), and what ``finish`` does after the kernels."""
         grad_source = self.grads.reducer.grad_source
         sources = [grad_source(s) for s, _lo, _hi in pieces]
-        grads = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
-        mixed = ChunkKind.MASTER in chunks
-        params = spans(chunks[ChunkKind.MASTER if mixed else ChunkKind.PARAM], pieces)
-        outs = spans(chunks[ChunkKind.PARAM], pieces) if mixed else None
         sizes = [hi - lo for _s, lo, hi in pieces]
         protect = {c.id for c in chunks.values()}
+        mixed = ChunkKind.MASTER in chunks
+        grads = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
+        staged = Staged(grads)
         after: list[Callable[[], None]] = []
         if grads[0].device.type != "cpu":  # a GPU's gradients, copied down
-            staged = self._host_buffers(stack, sizes, grads[0].dtype, work, protect)
-            torch._foreach_copy_(staged, grads)
-            grads = staged
-        if outs is not None and outs[0].device.type != "cpu":  # values copied up after
-            host_outs = self._host_buffers(stack, sizes, outs[0].dtype, work, protect)
-            after.append(functools.partial(torch._foreach_copy_, outs, host_outs))
-            outs = host_outs
+            staged.grads = self._host_buffers(stack, sizes, grads[0].dtype, work, protect)
+            torch._foreach_copy_(staged.grads, grads)
+        param = chunks[ChunkKind.PARAM]
+        if mixed and param.payload is not None and param.payload.device.type != "cpu":
+            # values copied up after
+            staged.outs = self._host_buffers(stack, sizes, param.dtype, work, protect)
+            after.append(functools.partial(torch._foreach_copy_, spans(param, pieces), staged.outs))
         if mixed:  # fp32 training moved its chunks to the host: the residency accounted it
-            param = chunks[ChunkKind.PARAM]
             after.append(functools.partial(self._account_stream, sources, sizes, work, True))
             after.append(
                 functools.partial(self._account_stream, [param] * len(pieces), sizes, work, False)
             )
+        return staged, after
+
+    def _host_kernel(self, kernels: ModuleType) -> Callable[..., None]:
+        """The kernel of this step's host updates, with each group's hyper-parameters read
+        now (on the engine's thread: a scheduler may change them between steps)."""
+        kernel = self._frozen_variance_kernel() or (
+            kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
+        )
+        hyper = [self._hyper_parameters(g) for g in range(len(self.param_groups))]
+
+        def call(group_index: int, *args: Any, **kwargs: Any) -> None:
+            kernel(*args, **hyper[group_index], **kwargs)
+
+        return call
+
+    def _host_calls(
+        self,
+        kernel: Callable[..., None],
+        new_states: type,
+        chunks: dict[ChunkKind, Chunk],
+        pieces: list[Piece],
+        step_of: dict[int, torch.Tensor],
+        grad_scale: torch.Tensor | None,
+        into: dict[ChunkKind, torch.Tensor],
+        grads_saved: list[torch.Tensor | None] | None,
+        staged: Staged,
+    ) -> KernelCalls:
+        """The native kernel calls of a layout updated in host memory, one per parameter
+        group, and the gradients they read; built on the thread that runs them (slicing a
+        few hundred views a step is the engine thread's largest cost of an early update).
+        With fp32 masters it is one pass from the 16-bit gradients to the 16-bit parameters,
+        through host buffers where those live on a GPU (``staged``); pieces are passed whole,
+        so the bits are torch's fused kernel's on them. The kinds of ``into`` are written
+        there, and the gradients saved to ``grads_saved`` (see :meth:`prepare`)."""
+        grads = staged.grads
+        mixed = ChunkKind.MASTER in chunks
+        params = spans(chunks[ChunkKind.MASTER if mixed else ChunkKind.PARAM], pieces)
+        outs = (staged.outs or spans(chunks[ChunkKind.PARAM], pieces)) if mixed else None
         exp_avgs = spans(chunks[ChunkKind.EXP_AVG], pieces)
         exp_avg_sqs = spans(chunks[ChunkKind.EXP_AVG_SQ], pieces)
         new = None
@@ -193,33 +240,30 @@ class UpdateBuilder:
                     (ChunkKind.EXP_AVG_SQ, exp_avg_sqs),
                 )
             ]
-        kernel = self._frozen_variance_kernel() or (
-            kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
-        )
         calls: list[Callable[[], None]] = []
         for group_index, positions in self._by_group([s for s, _lo, _hi in pieces]).items():
             calls.append(
                 functools.partial(
                     kernel,
+                    group_index,
                     [params[i] for i in positions],
                     [grads[i] for i in positions],
                     [exp_avgs[i] for i in positions],
                     [exp_avg_sqs[i] for i in positions],
                     [],
                     [step_of[id(pieces[i][0])] for i in positions],
-                    **self._hyper_parameters(group_index),
                     grad_scale=grad_scale,
                     params_out=None if outs is None else [outs[i] for i in positions],
                     new_states=None
                     if new is None
-                    else kernels.NewStates(*([t[i] for i in positions] for t in new)),
+                    else new_states(*([t[i] for i in positions] for t in new)),
                     grads_saved=None
                     if grads_saved is None
                     else [grads_saved[i] for i in positions],
                     num_threads=self.host_threads,
                 )
             )
-        return calls, after, grads
+        return calls, grads
 
     def _host_buffers(
         self,
