@@ -20,19 +20,21 @@ those chunks' payloads (``kernels/csrc/host_optim_cpu.cpp``, [Note: updates out 
 commit swaps each shadow with its chunk's payload when the step takes the update, and the old
 payload is the group's shadow at its next update; a rollback leaves the chunks as they are.
 What an update still overwrites in place is copied before its kernels (:class:`Snapshot`): the
-16-bit slots that hold gradients (the new parameters are rounded into them), the parameters of
-fp32 training (their chunk comes from the device for the update), every state of a group
-homed on NVMe (staged: written back to its home as the update finishes), and fp32 gradients
-the kernel leaves divided by the world size where they lie (as torch's fused kernel does).
+parameters of fp32 training (their chunk comes from the device for the update) and every state
+of a group homed on NVMe (staged: written back to its home as the update finishes). The
+gradients it overwrites, the 16-bit slots that hold them (the new parameters are rounded into
+them) and fp32 gradients the kernel leaves divided by the world size where they lie (as
+torch's fused kernel does), are saved by the kernel as it reads them (``grads_saved``).
 
 Cost, bf16/fp16 with fp32 states homed on the host: 12 bytes of host memory per element of
 the group's state chunks (8 with bf16 moments), whole chunks, padding included, kept
 per group from the first step that speculates to the engine's end (a standing reservation,
 which the ledger and ``chunkmem estimate`` count as held throughout), plus 2 bytes per
 element whose gradient sits in its parameter slot. Bandwidth: the update reads one buffer and
-writes another (with non-temporal stores: about the bytes it moves in place), and copies only what it does not update into the
-shadow (padding, parameters without a gradient) and the 16-bit gradients it overwrites; a
-rollback writes back those gradients and rounds the masters again. The states of a group homed on
+writes another (with non-temporal stores: about the bytes it moves in place), copies into the
+shadow only what it does not update (parameters without a gradient; padding once per shadow),
+and stores the 16-bit gradients it overwrites from the lanes that load them (2 bytes written);
+a rollback writes back those gradients and rounds the masters again. The states of a group homed on
 NVMe are copied instead (12 bytes per element updated, read and written once more, and once
 more on a rollback). ``offload.speculation_bytes`` bounds what is kept: a group that does not
 fit waits for the norm and is updated by the step. The results equal the serial step's bit for

@@ -449,28 +449,43 @@ def _nan_at(offset: int, like: torch.Tensor) -> torch.Tensor:
     return torch.full((offset + like.numel(),), float("nan"), dtype=like.dtype)[offset:]
 
 
-def host_adam_step_out_of_place(state: State, grads, offset: int = 0, **kwargs) -> None:
+def host_adam_step_out_of_place(
+    state: State, grads, offset: int = 0, params_in_place: bool = False, **kwargs
+) -> None:
     """The update written to new tensors ``offset`` elements into their allocations (0: the
     lanes stream them; 5: the first elements go one at a time until they are aligned), the
-    inputs left as they were, then taken."""
+    inputs left as they were, then taken. ``params_in_place``: only the moments go elsewhere
+    (fp32 training's speculative update)."""
     before = state.clone()
     new = host_optim.NewStates(
-        [_nan_at(offset, p) for p in state.params],
+        state.params if params_in_place else [_nan_at(offset, p) for p in state.params],
         *([_nan_at(offset, t) for t in states] for states in state.states),
     )
     host_adam_step(state, grads, new_states=new, **kwargs)
-    for old, kept in zip([*state.params, *state.states[0], *state.states[1]],
-                         [*before.params, *before.states[0], *before.states[1]], strict=True):  # fmt: skip
+    kept_inputs = [*state.states[0], *state.states[1]]
+    if not params_in_place:
+        kept_inputs += state.params
+        before_inputs = [*before.states[0], *before.states[1], *before.params]
+    else:
+        before_inputs = [*before.states[0], *before.states[1]]
+    for old, kept in zip(kept_inputs, before_inputs, strict=True):
         assert_same_bits(old, kept, "an input of the update out of place")
     state.params, state.states = list(new.params), [list(new.exp_avgs), list(new.exp_avg_sqs)]
 
 
+@pytest.mark.parametrize("params_in_place", [False, True], ids=["all", "moments"])
 @pytest.mark.parametrize("offset", [0, 5], ids=["aligned", "unaligned"])
-def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(offset):
-    """Every kind of Adam step, fp32, mixed and bf16 states, with and without grad scale."""
+def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(
+    offset, params_in_place
+):
+    """Every kind of Adam step, fp32, mixed and bf16 states, with and without grad scale;
+    every row written elsewhere, or the moments only."""
     in_place = _every_path(host_adam_step, host_sgd_step)
     out_of_place = _every_path(
-        functools.partial(host_adam_step_out_of_place, offset=offset), host_sgd_step
+        functools.partial(
+            host_adam_step_out_of_place, offset=offset, params_in_place=params_in_place
+        ),
+        host_sgd_step,
     )
     for k, (a, b) in enumerate(zip(out_of_place, in_place, strict=True)):
         a.assert_same(b, f"path {k}")

@@ -141,7 +141,7 @@ inline void save8(typename G::Raw* dst, const typename G::Raw* src, bool stream)
   }
 }
 
-// An fp32 row of new values: with STREAM_NEW (an update out of place, each row 32-byte aligned)
+// An fp32 row of new values: with STREAM_NEW (written out of place, the row 32-byte aligned)
 // it goes to memory without its line being read first. The kernel never reads what it writes
 // there, and the next reader is the next step's update, so caching it gains nothing, while
 // writing it through the cache reads every line first: 1.6x the bytes of the update in place.
@@ -153,10 +153,13 @@ inline void store_new8(float* p, __m256 x) {
     _mm256_storeu_ps(p, x);
 }
 
-template <class G, class S, class O, bool STREAM, bool STREAM_NEW>
+// STREAM_PARAMS streams the new fp32 parameters, STREAM_MOMENTS the new moments (fp32 states
+// only): an update out of place may write one elsewhere and the other in place (fp32
+// training's speculative update keeps its parameters in place).
+template <class G, class S, class O, bool STREAM, bool STREAM_PARAMS, bool STREAM_MOMENTS>
 void adam_lanes(const AdamScalars& s, int64_t n, const AdamRows<G, S>& rows,
                 typename O::Raw* out, const float* grad_scale) {
-  constexpr bool kStreamNew = STREAM_NEW && std::is_same_v<S, F32>;  // fp32 states only
+  constexpr bool kStreamMoments = STREAM_MOMENTS && std::is_same_v<S, F32>;
   const float* const p = rows.p;
   typename G::Raw* const g = rows.g;
   const typename S::Raw* const m = rows.m;
@@ -189,7 +192,7 @@ void adam_lanes(const AdamScalars& s, int64_t n, const AdamRows<G, S>& rows,
     exp_avg = fma8(coeff, _mm256_sub_ps(grad, exp_avg), base);
     __m256 exp_avg_sq = load8<S>(v + i);
     exp_avg_sq = fma8(_mm256_mul_ps(c2, grad), grad, _mm256_mul_ps(exp_avg_sq, beta2));
-    if constexpr (kStreamNew) {
+    if constexpr (kStreamMoments) {
       store_new8<true>(rows.m_new + i, exp_avg);
       store_new8<true>(rows.v_new + i, exp_avg_sq);
     } else {
@@ -198,10 +201,11 @@ void adam_lanes(const AdamScalars& s, int64_t n, const AdamRows<G, S>& rows,
     }
     const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), bc2_sqrt), eps);
     param = _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(neg_step_size, exp_avg), denom));
-    store_new8<kStreamNew>(rows.p_new + i, param);
+    store_new8<STREAM_PARAMS>(rows.p_new + i, param);
     return param;
   });
-  if (kStreamNew || stream_saved) _mm_sfence();  // streamed stores are weakly ordered
+  // Streamed stores are weakly ordered.
+  if (STREAM_PARAMS || kStreamMoments || stream_saved) _mm_sfence();
 }
 
 template <class G, class S, class O, bool STREAM>

@@ -45,14 +45,35 @@ bool may_stream(bool large_call, const typename O::Raw* out) {
 }
 
 #if HOST_OPTIM_HAVE_AVX2
-// Whether the lanes may stream the new values of an update out of place (host_optim_avx2.h,
-// store_new8): fp32 states, every row written elsewhere than it is read, 32-byte aligned.
+inline bool aligned32(const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; }
+
+// Whether the lanes may stream the new parameters (host_optim_avx2.h, store_new8): written
+// elsewhere than they are read, 32-byte aligned.
 template <class S, class G>
-bool may_stream_new(const cmo::avx2::AdamRows<G, S>& rows) {
-  const auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; };
-  return std::is_same_v<S, F32> && rows.p_new != rows.p && rows.m_new != rows.m &&
-         rows.v_new != rows.v && aligned(rows.p_new) && aligned(rows.m_new) &&
-         aligned(rows.v_new);
+bool may_stream_params(const cmo::avx2::AdamRows<G, S>& rows) {
+  return rows.p_new != rows.p && aligned32(rows.p_new);
+}
+
+// Whether the lanes may stream the new moments: fp32, both written elsewhere, aligned.
+template <class S, class G>
+bool may_stream_moments(const cmo::avx2::AdamRows<G, S>& rows) {
+  return std::is_same_v<S, F32> && rows.m_new != rows.m && rows.v_new != rows.v &&
+         aligned32(rows.m_new) && aligned32(rows.v_new);
+}
+
+// adam_lanes with its stream flags chosen at run time.
+template <class G, class S, class O, bool STREAM>
+void adam_lanes_streaming(const AdamScalars& s, int64_t n, const cmo::avx2::AdamRows<G, S>& rows,
+                          typename O::Raw* out, const float* grad_scale) {
+  const bool params = may_stream_params<S>(rows), moments = may_stream_moments<S>(rows);
+  if (params && moments)
+    cmo::avx2::adam_lanes<G, S, O, STREAM, true, true>(s, n, rows, out, grad_scale);
+  else if (params)
+    cmo::avx2::adam_lanes<G, S, O, STREAM, true, false>(s, n, rows, out, grad_scale);
+  else if (moments)
+    cmo::avx2::adam_lanes<G, S, O, STREAM, false, true>(s, n, rows, out, grad_scale);
+  else
+    cmo::avx2::adam_lanes<G, S, O, STREAM, false, false>(s, n, rows, out, grad_scale);
 }
 #endif
 
@@ -138,9 +159,11 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
 #if HOST_OPTIM_HAVE_AVX2
   if constexpr (std::is_same_v<S, F32>) {
     // Out of place: the first elements one at a time (the same bits) until the new rows are
-    // 32-byte aligned, so that the lanes stream them (store_new8).
-    if (p_new != p)
-      for (; i < body && reinterpret_cast<uintptr_t>(p_new + i) % 32 != 0; ++i)
+    // 32-byte aligned, so that the lanes stream them (store_new8). The rows written
+    // elsewhere share their alignment (shadows laid out like the payloads).
+    const float* first_new = p_new != p ? p_new : m_new != m ? m_new : nullptr;
+    if (first_new)
+      for (; i < body && reinterpret_cast<uintptr_t>(first_new + i) % 32 != 0; ++i)
         element(std::false_type{}, i);
   }
   if (i < body) {
@@ -151,13 +174,10 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
         saved && reinterpret_cast<uintptr_t>(saved) % (cmo::kLanes * sizeof(*saved)) == 0;
     const cmo::avx2::AdamRows<G, S> rows{p + i,     g + i,     m + i, v + i, p_new + i,
                                          m_new + i, v_new + i, saved, stream_saved};
-    const bool stream_out = may_stream<O>(large_call, o);
-    if (may_stream_new<S>(rows))
-      stream_out ? cmo::avx2::adam_lanes<G, S, O, true, true>(s, n, rows, o, grad_scale)
-                 : cmo::avx2::adam_lanes<G, S, O, false, true>(s, n, rows, o, grad_scale);
+    if (may_stream<O>(large_call, o))
+      adam_lanes_streaming<G, S, O, true>(s, n, rows, o, grad_scale);
     else
-      stream_out ? cmo::avx2::adam_lanes<G, S, O, true, false>(s, n, rows, o, grad_scale)
-                 : cmo::avx2::adam_lanes<G, S, O, false, false>(s, n, rows, o, grad_scale);
+      adam_lanes_streaming<G, S, O, false>(s, n, rows, o, grad_scale);
     i += n;
   }
 #endif
