@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from chunkmem import update_kernels
+import chunkmem.update_kernels as update_kernels
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.frozen_adam import frozen_variance_adam_
 from chunkmem.layout_update import LayoutUpdate
