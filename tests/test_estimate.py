@@ -207,6 +207,30 @@ def test_speculation_over_nvme_homed_states_is_the_ledger_s(tmp_path) -> None:
     assert predicted.peak_host_bytes - unclipped.peak_host_bytes == 14 * parameters
 
 
+def test_fp32_training_counts_the_chunks_its_host_update_brings_there() -> None:
+    """fp32 training has no masters: the host updates the parameter chunk itself, which comes
+    there with its gradient chunk and stays until the next forward. The estimate counts every
+    group's (16 bytes an element with the moments, where it counted 8): exact in one process,
+    the most under ZeRO with overlapped speculative updates (reached here)."""
+    model = ModelSettings(**SMALL, checkpointing=True)
+    serial = config(precision="fp32", offload={"optimizer": "host"})
+    predicted = predict(model, serial, batch=4).memory
+    assert predicted.peak_host_bytes == measure(model, serial, batch=4).host
+    overlapped = config(
+        precision="fp32",
+        gradient_clipping=1.0,
+        offload={"optimizer": "host", "overlap": True},
+        zero={"stage": 2},
+    )
+    results = run_threads(_fp32_rank, 2, overlapped, timeout_s=30, deadline_s=120)
+    most = predict(model, overlapped, batch=4, world=2).memory.peak_host_bytes
+    assert max(m.host for m in results) <= most
+
+
+def _fp32_rank(comm, engine_config: dict[str, Any]) -> Measured:
+    return measure(ModelSettings(**SMALL, checkpointing=True), engine_config, batch=4, comm=comm)
+
+
 def _host_rank(comm, stage: int) -> Measured:
     return measure(
         ModelSettings(**SMALL, checkpointing=True),

@@ -1,6 +1,7 @@
 """The host's and the NVMe tier's bytes of an estimated run, by the tiers' own rules: the
 optimizer states homed there, the NVMe tier's staging buffers (``offload.nvme``), the states
-read in for an update (``chunkmem.staging``), a real device's staged gradients and values,
+read in for an update (``chunkmem.staging``), fp32 training's parameter and gradient chunks
+updated there, a real device's staged gradients and values,
 the speculative updates' shadows and copies (``offload.speculation``), and the first cycle's masters
 waiting for their home. :mod:`.memory` follows the device."""
 
@@ -49,7 +50,9 @@ def host_bytes(
         return sum(n for n, home in zip(elements, homes, strict=True) if home == tier)
 
     return HostBytes(
-        steady=homed("host") * per_element + _workspace(config, sim, homes, gpu),
+        steady=homed("host") * per_element
+        + _workspace(config, sim, homes, gpu)
+        + _fp32_chunks_updated_on_host(sim, homes),
         first_cycle=_first_cycle(config, sim, masters_on_device),
         nvme=homed("nvme") * per_element,
     )
@@ -71,6 +74,26 @@ def _workspace(config: Config, sim: _Simulation, homes: list[str], gpu: bool) ->
     if gpu and any(home != "device" for home in homes):
         total += max(groups) * 2 * sim.itemsize
     return total + _speculation(config, sim, homes, gpu)
+
+
+def _fp32_chunks_updated_on_host(sim: _Simulation, homes: list[str]) -> int:
+    """fp32 training has no masters: the host updates the parameter chunk itself, so a group
+    updated there brings its parameter chunk (whole; a ZeRO-3 shard) and this rank's gradient
+    chunk (a ZeRO-2/3 shard) to the host (``OptimizerStates.update_chunks``), where they stay
+    until the next forward fetches them. Every such group at once: exact in one process; under
+    ZeRO the most (a serial step's post-step gather takes some back before the last arrive,
+    an overlapped one's may not)."""
+    if sim.mixed:
+        return 0
+    groups = [
+        layout for layout, home in zip(sim.packed.trainable, homes, strict=True) if home != "device"
+    ]
+    elements = sum(
+        sim.sharding.param_elements(sim.capacity(layout))
+        + (sim.shard(layout) or sim.capacity(layout))  # 0: no reduce-scatter, whole gradients
+        for layout in groups
+    )
+    return elements * sim.itemsize
 
 
 def _nvme_staging(config: Config) -> int:
