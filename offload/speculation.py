@@ -101,8 +101,10 @@ class Snapshot:
         self.grad_slots = [s for s, _lo, _hi in pieces if s.grad_in_param_slot]
         self._residency = residency
         self._kept = kept
-        # Each target with its part of the copy buffer of its dtype (sized for the targets).
+        # Each target with its part of the copy buffer of its dtype (sized for the targets),
+        # filled once ``take`` ran (the gradients' by the kernels right after it).
         self._saved: list[tuple[Target, torch.Tensor]] = []
+        self._taken = False
         filled: dict[torch.dtype, int] = {}
         for target in targets:
             dtype = layout.chunks[target.kind].dtype
@@ -228,6 +230,7 @@ class Snapshot:
             idle = [piece for piece in every_slot if id(piece[0]) not in updated]
             if idle:
                 torch._foreach_copy_(spans(chunk, idle, shadow), spans(chunk, idle))
+        self._taken = True
 
     def stand(self) -> None:
         """The step takes the update: each shadow takes its chunk's place, and the payload it
@@ -240,10 +243,11 @@ class Snapshot:
         """Write every copied element back where its chunk lives now (its home after the
         update finished), take the step counts back, and give the 16-bit values their old
         bits: the rounded masters, or the gradient the slot held. The shadows are left as
-        they are: the chunks they stand for were only read."""
+        they are: the chunks they stand for were only read. An update whose run failed before
+        its kernels overwrote nothing: its copies, never filled, are not written back."""
         assert self.update is not None
         layout = self.layout
-        for (kind, pieces, _grads), buffer in self._saved:
+        for (kind, pieces, _grads), buffer in self._saved if self._taken else ():
             chunk = layout.chunks[kind]
             with staging.borrowed(chunk, write=True, reason="rollback"):
                 views = spans(chunk, pieces)

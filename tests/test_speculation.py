@@ -143,6 +143,38 @@ def test_a_failed_backward_undoes_speculative_updates_and_the_engine_trains_on()
         assert torch.equal(runs[True][name], value), name
 
 
+def test_a_run_that_fails_before_its_copies_is_undone_without_them(tmp_path, monkeypatch) -> None:
+    """States homed on NVMe are copied before an early update's kernels. A run that fails
+    before it takes those copies overwrote nothing, so the undo must not write back its copy
+    buffers (they hold the last step's states): the engine trains on as if the batch were
+    skipped."""
+    data = batches(6, rows=8)
+    take = speculation.Snapshot.take
+    runs = {}
+    for fail in (False, True):
+        engine = initialize(make_model(), device=DEVICE, offload=offload_for("nvme", True, tmp_path / str(fail)),
+                            **recipe("clip"))  # fmt: skip
+        for step, (x, y) in enumerate(data):
+            if step == 3:
+                if fail:
+                    monkeypatch.setattr(speculation.Snapshot, "take", _failing_take)
+                    with pytest.raises(RuntimeError, match="failed before its copies"):
+                        engine.backward(engine(x, y))
+                        engine.step()
+                    monkeypatch.setattr(speculation.Snapshot, "take", take)
+                continue  # the run without the failure skips the batch too
+            engine.backward(engine(x, y))
+            engine.step()
+        runs[fail] = engine.state_dict()
+        assert engine.optimizer.speculation.rollbacks == int(fail)
+    for name, value in runs[False].items():
+        assert torch.equal(runs[True][name], value), name
+
+
+def _failing_take(snapshot: speculation.Snapshot) -> None:
+    raise RuntimeError("an early update failed before its copies")
+
+
 def _raise_late(grad: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("late failure in backward")
 
