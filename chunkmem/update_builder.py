@@ -98,8 +98,8 @@ class UpdateBuilder:
         into: dict[ChunkKind, torch.Tensor] | None = None,
         grads_saved: list[torch.Tensor | None] | None = None,
     ) -> LayoutUpdate:
-        """Chunks ready and pinned on the work tier, step counts advanced, kernel calls
-        built. ``defer_reads``: states still being read from their home are waited for in
+        """Chunks ready and pinned on the work tier, step counts advanced, gradients staged;
+        the kernel calls are built by ``run``, on its thread. ``defer_reads``: states still being read from their home are waited for in
         ``run`` (on its thread), not here. ``into``: host tensors laid out like the payloads
         of those chunk kinds, which receive their new values (the chunks are only read: an
         update out of place, which only the native host kernels take). ``grads_saved``: for
