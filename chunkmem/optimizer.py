@@ -123,9 +123,9 @@ class ChunkAdam:
         self.residency = manager.residency
         self.gatherer = manager.gatherer
         self.sharding = states.sharding
-        self.param_groups = updates.param_groups
-        self.group_of = updates.group_of
-        self.decoupled = updates.decoupled  # AdamW (recorded in checkpoints)
+        self.param_groups = updates.groups.param_groups
+        self.group_of = updates.groups.group_of
+        self.decoupled = updates.groups.decoupled  # AdamW (recorded in checkpoints)
         # Layouts whose update began in this cycle (in backward too), counted first so that
         # a half update counts; reset when the step ends, and by an abort's cancel.
         self.layouts_updated = 0
@@ -201,7 +201,10 @@ class ChunkAdam:
         snapshot = None
         if self.speculation is not None:
             snapshot = self.speculation.reserve(
-                layout, pieces, self.states.home(layout), self._divided_grads(pieces, divisor)
+                layout,
+                pieces,
+                self.states.home(layout),
+                self.updates.grads_divided_in_place(pieces, divisor),
             )
             if snapshot is None:
                 return False  # no room to make it undoable: it waits for the step's norm
@@ -223,19 +226,6 @@ class ChunkAdam:
         update.pending = submit(update.run)
         update.pending.add_done_callback(lambda _run: self._ran.append(update))
         return True
-
-    def _divided_grads(self, pieces: list[Piece], divisor: float) -> ChunkKind | None:
-        """The kind of the chunk holding ``pieces``' gradients where the host kernel will
-        leave them divided by ``divisor`` (fp32 gradients read where they lie, as torch's
-        fused kernel leaves them); None where it will not (16-bit gradients are widened, a
-        GPU's are staged into host buffers)."""
-        if divisor == 1.0:
-            return None
-        source = self.grads.reducer.grad_source(pieces[0][0])
-        payload = source.payload
-        if source.dtype != torch.float32 or payload is None or payload.device.type != "cpu":
-            return None
-        return source.kind
 
     def _finish_staged_early(self) -> None:
         """Finish the early update whose states were read in from NVMe (offload/overlap.py

@@ -1,13 +1,14 @@
 """How one layout is updated where its optimizer states live: :class:`UpdateBuilder` pins
 the chunks, advances the step counts and builds the kernel calls of a
 :class:`~chunkmem.layout_update.LayoutUpdate` (see [Note: an update in three parts] in
-``chunkmem.optimizer``; ``ChunkAdam`` orders the layouts and owns the step)."""
+``chunkmem.optimizer``; ``ChunkAdam`` orders the layouts and owns the step). The native host
+kernels' calls are built here; torch's kernel is ``chunkmem.torch_update``."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -15,14 +16,15 @@ from typing import Any
 import torch
 
 import chunkmem.update_kernels as update_kernels
+from chunkmem.adam_groups import AdamGroups
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
-from chunkmem.frozen_adam import frozen_variance_adam_
 from chunkmem.layout_update import LayoutUpdate
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer_states import OptimizerStates
-from chunkmem.pieces import Piece, cut, spans
+from chunkmem.pieces import Piece, spans
 from chunkmem.sharding import Waitable
 from chunkmem.tiers import StorageTier
+from chunkmem.torch_update import TorchUpdate, account_stream
 
 # A layout's kernel calls and the gradients they read (LayoutUpdate.run builds them).
 KernelCalls = tuple[list[Callable[[], None]], list[torch.Tensor]]
@@ -42,12 +44,6 @@ class Staged:
 def _only(call: Callable[[], None]) -> KernelCalls:
     """One call that reads its gradients itself (torch's kernel, on the engine's thread)."""
     return [call], []
-
-
-# fp32 elements of gradient cast at once in bf16/fp16 training (the fused kernel needs fp32
-# gradients for fp32 masters): 1 MiB of workspace whatever the chunk size, so a large chunk
-# does not need a large transient buffer on a nearly full tier.
-WORKSPACE_ELEMENTS = 1 << 18
 
 
 class UpdateBuilder:
@@ -71,9 +67,8 @@ class UpdateBuilder:
         self.states = states
         self.grads = manager.grads
         self.residency = manager.residency
-        self.param_groups = param_groups
-        self.group_of = group_of
-        self.decoupled = decoupled_weight_decay
+        self.groups = AdamGroups(param_groups, group_of, decoupled_weight_decay, self.grads)
+        self.torch_update = TorchUpdate(self.grads, self.residency, self.groups)
         self.host_threads = host_threads
         self.step_counts: dict[TensorSlot, torch.Tensor] = {}
 
@@ -130,7 +125,7 @@ class UpdateBuilder:
                 )
             if kernels is None:
                 torch_call = functools.partial(
-                    self._torch_update, chunks, pieces, slots, step_of, grad_scale, work
+                    self.torch_update, chunks, pieces, slots, step_of, grad_scale, work
                 )
                 build: Callable[[], KernelCalls] = functools.partial(_only, torch_call)
                 after: list[Callable[[], None]] = []
@@ -152,6 +147,25 @@ class UpdateBuilder:
             stack.close()
             raise
         return LayoutUpdate(self, layout, slots, stack, build, after, reads, chunks, pieces, steps)
+
+    @staticmethod
+    def reads_grads_in_place(source: Chunk) -> bool:
+        """Whether the host kernel reads the gradients of ``source`` where they lie (host
+        memory), rather than a host buffer's copy (a GPU's, copied down by ``_stage``)."""
+        payload = source.payload
+        return payload is not None and payload.device.type == "cpu"
+
+    def grads_divided_in_place(self, pieces: list[Piece], divisor: float) -> ChunkKind | None:
+        """The kind of the chunk holding ``pieces``' gradients where the host kernel will
+        leave them divided by ``divisor`` (fp32 gradients it reads in place, as torch's fused
+        kernel leaves them); None where it will not (16-bit gradients are widened, a GPU's
+        are copied down first)."""
+        if divisor == 1.0:
+            return None
+        source = self.grads.reducer.grad_source(pieces[0][0])
+        if source.dtype != torch.float32 or not self.reads_grads_in_place(source):
+            return None
+        return source.kind
 
     def run_calls(self, calls: list[Callable[[], None]]) -> None:
         """Run one layout's kernel calls."""
@@ -176,7 +190,7 @@ class UpdateBuilder:
         grads = [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, pieces, strict=True)]
         staged = Staged(grads)
         after: list[Callable[[], None]] = []
-        if grads[0].device.type != "cpu":  # a GPU's gradients, copied down
+        if not self.reads_grads_in_place(sources[0]):  # a GPU's gradients, copied down
             staged.grads = self._host_buffers(stack, sizes, grads[0].dtype, work, protect)
             torch._foreach_copy_(staged.grads, grads)
         param = chunks[ChunkKind.PARAM]
@@ -185,19 +199,17 @@ class UpdateBuilder:
             staged.outs = self._host_buffers(stack, sizes, param.dtype, work, protect)
             after.append(functools.partial(torch._foreach_copy_, spans(param, pieces), staged.outs))
         if mixed:  # fp32 training moved its chunks to the host: the residency accounted it
-            after.append(functools.partial(self._account_stream, sources, sizes, work, True))
-            after.append(
-                functools.partial(self._account_stream, [param] * len(pieces), sizes, work, False)
-            )
+            account = functools.partial(account_stream, self.residency)
+            after.append(functools.partial(account, sources, sizes, work, True))
+            after.append(functools.partial(account, [param] * len(pieces), sizes, work, False))
         return staged, after
 
     def _host_kernel(self, kernels: ModuleType) -> Callable[..., None]:
         """The kernel of this step's host updates, with each group's hyper-parameters read
         now (on the engine's thread: a scheduler may change them between steps)."""
-        kernel = self._frozen_variance_kernel() or (
-            kernels.fused_adamw_ if self.decoupled else kernels.fused_adam_
-        )
-        hyper = [self._hyper_parameters(g) for g in range(len(self.param_groups))]
+        groups = self.groups
+        kernel = groups.kernel(kernels.fused_adam_, kernels.fused_adamw_)
+        hyper = [groups.hyper_parameters(g) for g in range(len(groups.param_groups))]
 
         def call(group_index: int, *args: Any, **kwargs: Any) -> None:
             kernel(*args, **hyper[group_index], **kwargs)
@@ -241,7 +253,7 @@ class UpdateBuilder:
                 )
             ]
         calls: list[Callable[[], None]] = []
-        for group_index, positions in self._by_group([s for s, _lo, _hi in pieces]).items():
+        for group_index, positions in self.groups.by_group([s for s, _lo, _hi in pieces]).items():
             calls.append(
                 functools.partial(
                     kernel,
@@ -277,139 +289,3 @@ class UpdateBuilder:
             self.residency.workspaces.scoped(sum(sizes), dtype, work, protect, within="capacity")
         )
         return list(torch.split(buffer, sizes))
-
-    def _torch_update(
-        self,
-        chunks: dict[ChunkKind, Chunk],
-        pieces: list[Piece],
-        slots: list[TensorSlot],
-        step_of: dict[int, torch.Tensor],
-        grad_scale: torch.Tensor | None,
-        home: StorageTier,
-    ) -> None:
-        """torch's fused kernel where the states live: on the device, or on the host when the
-        native library is missing. Runs on the engine's thread (it takes workspaces)."""
-        if ChunkKind.MASTER in chunks:
-            self._step_mixed(chunks, pieces, step_of, grad_scale, home)
-        elif all(hi - lo == s.numel for s, lo, hi in pieces) and chunks[ChunkKind.EXP_AVG].is_whole:
-            self._fused(  # whole slots of whole chunks: cached views, no slicing
-                slots,
-                chunks[ChunkKind.PARAM].views(slots),
-                self.grads.views(slots),
-                chunks[ChunkKind.EXP_AVG].views(slots),
-                chunks[ChunkKind.EXP_AVG_SQ].views(slots),
-                [step_of[id(s)] for s in slots],
-                grad_scale,
-            )
-        else:
-            self._fused(
-                [slot for slot, _lo, _hi in pieces],
-                spans(chunks[ChunkKind.PARAM], pieces),
-                [self.grads.reducer.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces],
-                spans(chunks[ChunkKind.EXP_AVG], pieces),
-                spans(chunks[ChunkKind.EXP_AVG_SQ], pieces),
-                [step_of[id(s)] for s, _lo, _hi in pieces],
-                grad_scale,
-            )
-
-    def _step_mixed(self, chunks, pieces, step_of, grad_scale, home: StorageTier) -> None:
-        """fp32 masters: cast gradients to fp32 a workspace at a time, update, write back."""
-        total = sum(hi - lo for _slot, lo, hi in pieces)
-        grad_source = self.grads.reducer.grad_source
-        with self.residency.workspaces.scoped(
-            min(total, WORKSPACE_ELEMENTS),
-            torch.float32,
-            home,
-            {c.id for c in chunks.values()},
-            within="capacity",
-        ) as workspace:
-            for batch in cut(pieces, WORKSPACE_ELEMENTS):
-                sizes = [hi - lo for _slot, lo, hi in batch]
-                grads = list(torch.split(workspace[: sum(sizes)], sizes))
-                sources = [grad_source(s) for s, _lo, _hi in batch]
-                torch._foreach_copy_(
-                    grads,
-                    [c.span(s, lo, hi) for c, (s, lo, hi) in zip(sources, batch, strict=True)],
-                )
-                self._account_stream(sources, sizes, home, to_home=True)
-                masters = spans(chunks[ChunkKind.MASTER], batch)
-                self._fused(
-                    [slot for slot, _lo, _hi in batch],
-                    masters,
-                    grads,
-                    spans(chunks[ChunkKind.EXP_AVG], batch),
-                    spans(chunks[ChunkKind.EXP_AVG_SQ], batch),
-                    [step_of[id(slot)] for slot, _lo, _hi in batch],
-                    grad_scale,
-                )
-                param = chunks[ChunkKind.PARAM]
-                torch._foreach_copy_(spans(param, batch), masters)
-                self._account_stream([param] * len(batch), sizes, home, to_home=False)
-
-    def _account_stream(
-        self, sources: list[Chunk], sizes: list[int], home: StorageTier, to_home: bool
-    ) -> None:
-        """Bytes crossing tiers: gradients read into the home tier, or values written back."""
-        by_chunk: dict[int, list] = {}
-        for chunk, size in zip(sources, sizes, strict=True):
-            entry = by_chunk.setdefault(chunk.id, [chunk, 0])
-            entry[1] += size * chunk.dtype.itemsize
-        for chunk, nbytes in by_chunk.values():
-            if to_home:
-                self.residency.transfer(chunk, chunk.tier, home, nbytes, "step gradients")
-            else:
-                self.residency.transfer(chunk, home, chunk.tier, nbytes, "step values")
-
-    def _by_group(self, slots: Sequence[TensorSlot]) -> dict[int, list[int]]:
-        """Positions in ``slots`` by parameter group (slots may repeat: pieces)."""
-        by_group: dict[int, list[int]] = {}
-        for position, slot in enumerate(slots):
-            by_group.setdefault(self.group_of[id(slot.param)], []).append(position)
-        return by_group
-
-    def _fused(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
-        """torch's fused kernel, one call per parameter group over aligned lists."""
-        kernel = self._frozen_variance_kernel() or (
-            torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        )
-        for group_index, positions in self._by_group(slots).items():
-            kernel(
-                [params[i] for i in positions],
-                [grads[i] for i in positions],
-                [exp_avgs[i] for i in positions],
-                [exp_avg_sqs[i] for i in positions],
-                [],
-                [steps[i] for i in positions],
-                **self._hyper_parameters(group_index),
-                amsgrad=False,
-                maximize=False,
-                grad_scale=grad_scale,
-                found_inf=None,
-            )
-
-    def _frozen_variance_kernel(self) -> Callable[..., None] | None:
-        """The update that keeps Adam's second moment, once the reducer's schedule says it
-        is frozen (1-bit Adam's second stage); None for the usual one."""
-        variance = self.grads.reducer.variance
-        frozen = None if variance is None else variance.steps_frozen()
-        if frozen is None:
-            return None
-        return functools.partial(
-            frozen_variance_adam_,
-            decoupled=self.decoupled,
-            steps_frozen=frozen,
-            momentum_in_gradients=variance.momentum_in_gradients,
-        )
-
-    def _hyper_parameters(self, group_index: int) -> dict[str, float]:
-        """A parameter group's hyper-parameters as the fused kernels' keyword arguments (read
-        at every step: a scheduler may change them)."""
-        group = self.param_groups[group_index]
-        beta1, beta2 = group["betas"]
-        return {
-            "lr": float(group["lr"]),
-            "beta1": beta1,
-            "beta2": beta2,
-            "weight_decay": group["weight_decay"],
-            "eps": group["eps"],
-        }

@@ -57,7 +57,7 @@ GPU_TOLERANCE = {"fp32": TOLERANCE["fp32"], "bf16": 3e-2, "fp16": 5e-3}
 # Of the update's norm, an H200 gave 3.1e-3 in fp32 (host against CUDA Adam); a stale read for
 # one of the 20 steps would be about 5e-2.
 UPDATE_TOLERANCE = {"fp32": 1e-2, "bf16": 0.15, "fp16": 0.05}
-# Ledger moves of the update's streamed bytes (chunkmem/update_builder.py), not chunk copies.
+# Ledger moves of the update's streamed bytes (chunkmem/torch_update.py account_stream), not chunk copies.
 STREAMED = ("step gradients", "step values")
 
 

@@ -410,12 +410,12 @@ def test_exception_in_forward_aborts_the_cycle_cleanly(precision: str) -> None:
 
 
 def test_mixed_precision_step_in_small_workspace_pieces_is_exact(monkeypatch) -> None:
-    from chunkmem import update_builder
+    from chunkmem import torch_update
 
     model = GPT(SMALL)
     data = token_batches(3, batch=2, seq=16, vocab=64)
     reference = train_reference(model, data, precision="bf16")
-    monkeypatch.setattr(update_builder, "WORKSPACE_ELEMENTS", 100)  # cuts every weight in pieces
+    monkeypatch.setattr(torch_update, "WORKSPACE_ELEMENTS", 100)  # cuts every weight in pieces
     engine = make_engine(copy.deepcopy(model), tight_capacity(SMALL, "bf16"), precision="bf16")
     train_engine(engine, data)
     # The fused kernel's vector body and scalar tail may round differently in the last bit,

@@ -40,7 +40,7 @@ from chunkmem.estimate.trace import ModelTrace
 from chunkmem.ledger import WORKSPACE
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.sizing import COMPUTE_DTYPES, separate_grads
-from chunkmem.update_builder import WORKSPACE_ELEMENTS
+from chunkmem.torch_update import WORKSPACE_ELEMENTS
 
 ACTIVATIONS = "activations"
 
