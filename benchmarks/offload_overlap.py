@@ -148,21 +148,55 @@ def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str
         engine.reducer.listener.run_on_host_thread(
             lambda: os.sched_setaffinity(0, {HOST_CORE})
         ).result()
+    if overlap:
+        time_listener(engine)
     return engine
 
 
+def time_listener(engine) -> None:
+    """Sum, in ``engine.listener_cpu_s``, the engine thread's CPU seconds in the overlapped
+    step's callbacks during backward (starting and retiring early updates): the part of the
+    unhidden time that is the engine's own Python on the compute core."""
+    listener = engine.reducer.listener
+    engine.listener_cpu_s = 0.0
+
+    def timed(callback):
+        def call(layout) -> None:
+            start = time.thread_time()
+            try:
+                callback(layout)
+            finally:
+                engine.listener_cpu_s += time.thread_time() - start
+
+        return call
+
+    listener.final = timed(listener.final)
+    listener.writing = timed(listener.writing)
+
+
 def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> tuple:
-    """(step seconds, forward+backward seconds, engine.step() seconds, grad norm)."""
+    """(step seconds, forward+backward seconds, engine.step() seconds, grad norm, the main
+    thread's CPU seconds in forward+backward, of which in the overlap's callbacks)."""
+    engine.listener_cpu_s = 0.0
     start = time.perf_counter()
+    cpu_start = time.thread_time()
     engine.backward(engine(x, y) * scale)
     backward_done = time.perf_counter()
+    cpu = time.thread_time() - cpu_start
     if serial_on_host_core:
         os.sched_setaffinity(0, {HOST_CORE})
     engine.step()
     if serial_on_host_core:
         os.sched_setaffinity(0, {COMPUTE_CORE})
     end = time.perf_counter()
-    return end - start, backward_done - start, end - backward_done, engine.last_grad_norm
+    return (
+        end - start,
+        backward_done - start,
+        end - backward_done,
+        engine.last_grad_norm,
+        cpu,
+        engine.listener_cpu_s,
+    )
 
 
 # The host core's stand-in load: torch's fused AdamW over the model's elements, in a process of
@@ -360,12 +394,27 @@ def analyse(run: dict, clip: float) -> dict:
             "overlapped_forward_backward": t_over_fwd_bwd,
             "overlapped_step_call": statistics.median(o[2] for o, _s in kept),
         },  # fmt: skip
+        "unhidden_s": unhidden(kept),
         "steps_measured": len(kept),
         "steps_clipped": len(fired),
         "rollback_step_time_ratio": statistics.median(o[0] for o, _s in fired)
         / statistics.median(s[0] for _o, s in fired)
         if fired
         else None,
+    }
+
+
+def unhidden(kept: list[tuple[tuple, tuple]]) -> dict[str, float]:
+    """Where the overlapped step's unhidden time goes (medians over step pairs, seconds):
+    the engine thread's Python starting early updates in backward; the rest of its extra CPU
+    time in forward and backward (the same work slowed by the host core beside it: shared
+    memory bandwidth and caches); the time it waited (the GIL, a collective, an update it
+    needs); and what ``step()`` still does (the last group's update, never hidden)."""
+    return {
+        "engine_thread_early_updates": statistics.median(o[5] for o, _s in kept),
+        "compute_slowdown": statistics.median((o[4] - o[5]) - s[4] for o, s in kept),
+        "engine_thread_waiting": statistics.median((o[1] - o[4]) - (s[1] - s[4]) for o, s in kept),
+        "step_call": statistics.median(o[2] for o, _s in kept),
     }
 
 
