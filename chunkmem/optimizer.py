@@ -214,7 +214,9 @@ class ChunkAdam:
             divisor,
             defer_reads=True,
             into=None if snapshot is None else snapshot.shadows,
-            grads_saved=None if snapshot is None else snapshot.grad_saves(),
+            grads_saved=None
+            if snapshot is None or not snapshot.saves_grads
+            else snapshot.grad_saves,
         )
         if snapshot is not None:
             snapshot.attach(update)

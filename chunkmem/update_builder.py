@@ -91,15 +91,15 @@ class UpdateBuilder:
         divisor: float,
         defer_reads: bool = False,
         into: dict[ChunkKind, torch.Tensor] | None = None,
-        grads_saved: list[torch.Tensor | None] | None = None,
+        grads_saved: Callable[[], list[torch.Tensor | None]] | None = None,
     ) -> LayoutUpdate:
         """Chunks ready and pinned on the work tier, step counts advanced, gradients staged;
         the kernel calls are built by ``run``, on its thread. ``defer_reads``: states still being read from their home are waited for in
         ``run`` (on its thread), not here. ``into``: host tensors laid out like the payloads
         of those chunk kinds, which receive their new values (the chunks are only read: an
-        update out of place, which only the native host kernels take). ``grads_saved``: for
-        each piece, None or a host tensor that receives its gradient as the kernel reads it
-        (native host kernels only)."""
+        update out of place, which only the native host kernels take). ``grads_saved``: gives,
+        for each piece, None or a host tensor that receives its gradient as the kernel reads
+        it (native host kernels only; called by ``run``, on its thread)."""
         stack = contextlib.ExitStack()
         reads: list[Waitable] = []
         try:
@@ -225,7 +225,7 @@ class UpdateBuilder:
         step_of: dict[int, torch.Tensor],
         grad_scale: torch.Tensor | None,
         into: dict[ChunkKind, torch.Tensor],
-        grads_saved: list[torch.Tensor | None] | None,
+        grads_saved: Callable[[], list[torch.Tensor | None]] | None,
         staged: Staged,
     ) -> KernelCalls:
         """The native kernel calls of a layout updated in host memory, one per parameter
@@ -241,6 +241,7 @@ class UpdateBuilder:
         outs = (staged.outs or spans(chunks[ChunkKind.PARAM], pieces)) if mixed else None
         exp_avgs = spans(chunks[ChunkKind.EXP_AVG], pieces)
         exp_avg_sqs = spans(chunks[ChunkKind.EXP_AVG_SQ], pieces)
+        saves = None if grads_saved is None else grads_saved()
         new = None
         if into:
             value = ChunkKind.MASTER if mixed else ChunkKind.PARAM
@@ -269,9 +270,7 @@ class UpdateBuilder:
                     new_states=None
                     if new is None
                     else new_states(*([t[i] for i in positions] for t in new)),
-                    grads_saved=None
-                    if grads_saved is None
-                    else [grads_saved[i] for i in positions],
+                    grads_saved=None if saves is None else [saves[i] for i in positions],
                     num_threads=self.host_threads,
                 )
             )

@@ -191,17 +191,24 @@ class Snapshot:
         update.before_run.append(self.take)
         update.on_stand.append(self.stand)
 
-    def grad_saves(self) -> list[torch.Tensor | None] | None:
+    @property
+    def saves_grads(self) -> bool:
+        """Whether the update overwrites or divides gradients, which its kernel then saves
+        (:meth:`grad_saves`)."""
+        return any(target.grads for target, _buffer in self._saved)
+
+    def grad_saves(self) -> list[torch.Tensor | None]:
         """For each piece, where the update's kernel saves the gradient it reads, as it reads
-        it (None for a gradient the update neither overwrites nor divides); None where it
-        overwrites none. Saving in the kernel's pass writes 2 bytes per 16-bit element where a
-        copy before it would read the gradient too, and read it again from memory."""
+        it (None for a gradient the update neither overwrites nor divides). Saving in the
+        kernel's pass writes 2 bytes per 16-bit element where a copy before it would read the
+        gradient too, and read it again from memory. Called on the update's thread, as its
+        kernel calls are built."""
         for target, buffer in self._saved:
             if target.grads:
                 sizes = [hi - lo for _s, lo, hi in target.pieces]
                 saves = dict(zip(map(_key, target.pieces), torch.split(buffer, sizes), strict=True))
                 return [saves.get(_key(piece)) for piece in self.pieces]
-        return None
+        return [None] * len(self.pieces)
 
     def take(self) -> None:
         """On the update's thread before its kernels (its reads are in): copy what it
