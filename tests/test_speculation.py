@@ -83,7 +83,11 @@ def test_speculative_steps_equal_the_serial_steps_bit_for_bit(kind, where, tmp_p
     forced = len(BIG) + (len(POISON) if poison else 0)
     assert summary.speculative_rollbacks == forced
     assert summary.speculative_commits == STEPS - 1 - forced  # the first cycle places states
-    assert speculative.reducer.listener.started >= (STEPS - 1 - forced) * 2
+    # Updates really began in backward: two groups a step with states on the host; on NVMe one
+    # update is in flight at a time, so how many more start depends on when the host thread
+    # finishes the first (the first group of a step always starts: the last step waited).
+    per_step = 2 if where == "host" else 1
+    assert speculative.reducer.listener.started >= (STEPS - 1 - forced) * per_step
     for engine in engines.values():
         engine.close()
 
