@@ -76,6 +76,15 @@ The keys:
   While the host updates for U seconds, forward and backward slowed s-fold progress only U / s,
   so the step is at least T_fwd+bwd + U (1 - 1/s) and the hidden share at most 1/s. On a GPU
   and its host s is 1 and the bound is 1; null where the run is not pinned to two cores.
+- ``update_hidden_fraction_host_bound``: the other direction, min(1, B / (r U)), where r is
+  the host core's slowdown beside a busy compute core (torch's fused AdamW over the model's
+  elements, alone and beside the GPT's forward and backward looping in another process: not
+  the engine), B the serial engine's backward and U its update (T_serial - T_serial,fwd+bwd).
+  An update starts in backward at the earliest, and while backward runs the host core does
+  1/r of the work it does alone in the same time, so at most B / r of the update's alone-time
+  is done by backward's end and the rest, at least U - B / r, follows it: the overlapped step is at
+  least T_serial - B / r long. The plain runs' bound (the clipped ones' is in
+  ``details.emulation``); null where not pinned. A GPU does not slow its host: there r is 1.
 """
 
 from __future__ import annotations
@@ -179,11 +188,14 @@ def time_listener(engine) -> None:
 
 def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> tuple:
     """(step seconds, forward+backward seconds, engine.step() seconds, grad norm, the main
-    thread's CPU seconds in forward+backward, of which in the overlap's callbacks)."""
+    thread's CPU seconds in forward+backward, of which in the overlap's callbacks, backward
+    seconds)."""
     engine.listener_cpu_s = 0.0
     start = time.perf_counter()
     cpu_start = time.thread_time()
-    engine.backward(engine(x, y) * scale)
+    loss = engine(x, y) * scale
+    forward_done = time.perf_counter()
+    engine.backward(loss)
     backward_done = time.perf_counter()
     cpu = time.thread_time() - cpu_start
     if serial_on_host_core:
@@ -199,6 +211,7 @@ def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> tuple:
         engine.last_grad_norm,
         cpu,
         engine.listener_cpu_s,
+        backward_done - forward_done,
     )
 
 
@@ -250,6 +263,67 @@ def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, step
         pairs.append(beside / alone)
     return {"ratio": statistics.median(pairs), "ratios": pairs, "tokens": tokens,
             "host_load": "torch._fused_adamw_ over the model's elements, looping, host core"}  # fmt: skip
+
+
+# The compute core's stand-in load: forward and backward of the benchmark's GPT (fp32, fresh
+# weights: the time does not depend on them), looping, in a process of its own.
+_COMPUTE_LOAD = """
+import os, sys, torch
+from chunkmem.models.gpt import GPT, GPTConfig
+torch.set_num_threads(1)
+os.sched_setaffinity(0, {int(sys.argv[3])})
+tokens, n_layer = int(sys.argv[1]), int(sys.argv[2])
+model = GPT(GPTConfig(vocab_size=256, block_size=tokens, n_layer=n_layer, n_head=4, n_embd=512))
+x = torch.randint(0, 256, (1, tokens))
+model(x, x).backward()
+print("running", flush=True)
+while True:
+    model(x, x).backward()
+"""
+
+
+def host_slowdown_beside_compute(model: GPT, tokens: int, rounds: int, iterations: int) -> dict:
+    """The other half of the emulation's interference: how much a busy compute core slows the
+    host core. torch's fused AdamW over the model's elements on the host core, alone and
+    beside forward and backward looping on the compute core in another process, alternating
+    ``rounds`` times; the median of the paired ratios. The overlapped update runs beside
+    backward; a GPU's backward does not slow its host's update."""
+    elements = sum(p.numel() for p in model.parameters())
+    param, grad, exp_avg, exp_avg_sq = ([torch.rand(elements)] for _ in range(4))
+    step = [torch.zeros(())]
+
+    def adam_s() -> float:
+        seconds = []
+        for _ in range(iterations):
+            start = time.perf_counter()
+            torch._fused_adamw_(param, grad, exp_avg, exp_avg_sq, [], step, lr=1e-4, beta1=0.9,
+                                beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                                maximize=False)  # fmt: skip
+            seconds.append(time.perf_counter() - start)
+        return statistics.median(seconds)
+
+    command = [sys.executable, "-c", _COMPUTE_LOAD, str(tokens), str(N_LAYER), str(COMPUTE_CORE)]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    pairs = []
+    affinity = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {HOST_CORE})
+    try:
+        adam_s()  # warm
+        for _ in range(rounds):
+            alone = adam_s()
+            load = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
+            try:
+                assert load.stdout is not None
+                load.stdout.readline()  # its first backward done: the loop is running
+                beside = adam_s()
+            finally:
+                load.kill()
+                load.wait()
+            pairs.append(beside / alone)
+    finally:
+        os.sched_setaffinity(0, affinity)
+    return {"ratio": statistics.median(pairs), "ratios": pairs, "tokens": tokens,
+            "compute_load": "the GPT's forward and backward (fp32), looping, compute core"}  # fmt: skip
 
 
 def text_batches(tokens: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -392,6 +466,7 @@ def analyse(run: dict, clip: float) -> dict:
             "overlapped": t_over,
             "serial": t_serial,
             "serial_forward_backward": t_serial_fwd_bwd,
+            "serial_backward": statistics.median(s[6] for _o, s in kept),
             # Where the unhidden time is: forward and backward lengthened by the engine
             # thread's share of the early updates, and what ``step()`` still does.
             "overlapped_forward_backward": t_over_fwd_bwd,
@@ -426,6 +501,16 @@ def median_repeat(analyses: list[dict]) -> dict:
     its details stand for the run in the table and the JSON."""
     ordered = sorted(analyses, key=lambda a: a["step_time_ratio"]["median"])
     return ordered[(len(ordered) - 1) // 2]
+
+
+def host_bound(analysis: dict, host_interference: dict | None) -> float | None:
+    """The most of the update an overlap can hide while the host core runs r-fold slower
+    beside backward (see ``update_hidden_fraction_host_bound``): min(1, B / (r U))."""
+    steps = analysis["median_step_s"]
+    if host_interference is None or not steps:
+        return None
+    update = steps["serial"] - steps["serial_forward_backward"]
+    return min(1.0, steps["serial_backward"] / (host_interference["ratio"] * update))
 
 
 def unhidden(kept: list[tuple[tuple, tuple]]) -> dict[str, float]:
@@ -494,6 +579,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if pinned
             else None
         )
+        host_interference = (
+            host_slowdown_beside_compute(model, tokens, 3 if args.quick else 5, 10)
+            if pinned
+            else None
+        )
         if not args.quick:  # the ablation (see the note on chunks)
             runs["plain_auto_chunks"] = run_pair(
                 model, tokens, steps, warmup, pinned, 0.0, "host", nvme, False, precision, "auto"
@@ -523,6 +613,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "update_hidden_fraction_machine_bound": (
             1.0 / interference["ratio"] if interference is not None else None
         ),
+        "update_hidden_fraction_host_bound": host_bound(plain, host_interference),
     }
     print(
         f"GPT {N_LAYER}x512, {precision}, {block_elements(model):,} elements a chunk (a block), {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
@@ -558,6 +649,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{interference['ratio']:.2f}x alone (a GPU does not slow down so): no overlap "
             f"can hide more than {1.0 / interference['ratio']:.2f} of the update here"
         )
+    if host_interference is not None:
+        print(
+            f"the host core's Adam beside a busy compute core: {host_interference['ratio']:.2f}x "
+            f"alone (a GPU's host does not slow down so): no overlap can hide more than "
+            f"{metrics['update_hidden_fraction_host_bound']:.2f} of the update here (plain)"
+        )
     print(f"\n{json.dumps(metrics, indent=1)}\nbit-identical: {identical}")
     details = {
         "precision": calibration,
@@ -588,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "torch_threads": 1,
             "optimizer_threads": 1,
             "compute_slowdown_beside_host_load": interference,
+            "host_slowdown_beside_compute": host_interference,
+            "update_hidden_fraction_host_bound_clipped": host_bound(clipped, host_interference),
         },  # fmt: skip
         "parameters_bit_identical": identical,
     }
