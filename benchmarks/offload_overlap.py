@@ -81,9 +81,9 @@ The keys:
   elements, alone and beside the GPT's forward and backward looping in another process: not
   the engine), B the serial engine's backward and U its update (T_serial - T_serial,fwd+bwd).
   An update starts in backward at the earliest, and while backward runs the host core does
-  1/r of the work it does alone in the same time, so at most B / r of the update's alone-time
-  is done by backward's end and the rest, at least U - B / r, follows it: the overlapped step is at
-  least T_serial - B / r long. The plain runs' bound (the clipped ones' is in
+  1/r of the work it does alone in the same time, so at most B / r of the update's
+  alone-time is done by backward's end and the rest, at least U - B / r, follows it: the
+  overlapped step is at least T_serial - B / r long. The plain runs' bound (the clipped ones' is in
   ``details.emulation``); null where not pinned. A GPU does not slow its host: there r is 1.
 """
 
@@ -265,8 +265,8 @@ def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, step
             "host_load": "torch._fused_adamw_ over the model's elements, looping, host core"}  # fmt: skip
 
 
-# The compute core's stand-in load: forward and backward of the benchmark's GPT (fp32, fresh
-# weights: the time does not depend on them), looping, in a process of its own.
+# The compute core's stand-in load: forward and backward of the benchmark's GPT in the run's
+# precision (fresh weights: the time does not depend on them), looping, in a process of its own.
 _COMPUTE_LOAD = """
 import os, sys, torch
 from chunkmem.models.gpt import GPT, GPTConfig
@@ -274,6 +274,7 @@ torch.set_num_threads(1)
 os.sched_setaffinity(0, {int(sys.argv[3])})
 tokens, n_layer = int(sys.argv[1]), int(sys.argv[2])
 model = GPT(GPTConfig(vocab_size=256, block_size=tokens, n_layer=n_layer, n_head=4, n_embd=512))
+model.to(getattr(torch, sys.argv[4]))
 x = torch.randint(0, 256, (1, tokens))
 model(x, x).backward()
 print("running", flush=True)
@@ -282,7 +283,9 @@ while True:
 """
 
 
-def host_slowdown_beside_compute(model: GPT, tokens: int, rounds: int, iterations: int) -> dict:
+def host_slowdown_beside_compute(
+    model: GPT, tokens: int, precision: str, rounds: int, iterations: int
+) -> dict:
     """The other half of the emulation's interference: how much a busy compute core slows the
     host core. torch's fused AdamW over the model's elements on the host core, alone and
     beside forward and backward looping on the compute core in another process, alternating
@@ -302,7 +305,9 @@ def host_slowdown_beside_compute(model: GPT, tokens: int, rounds: int, iteration
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds)
 
-    command = [sys.executable, "-c", _COMPUTE_LOAD, str(tokens), str(N_LAYER), str(COMPUTE_CORE)]
+    dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
+    command = [sys.executable, "-c", _COMPUTE_LOAD, str(tokens), str(N_LAYER), str(COMPUTE_CORE),
+               dtype]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     pairs = []
     affinity = os.sched_getaffinity(0)
@@ -314,7 +319,11 @@ def host_slowdown_beside_compute(model: GPT, tokens: int, rounds: int, iteration
             load = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
             try:
                 assert load.stdout is not None
-                load.stdout.readline()  # its first backward done: the loop is running
+                if load.stdout.readline() != "running\n":  # its first backward is done
+                    raise RuntimeError(
+                        f"the compute load exited ({load.wait()}) before its loop ran: "
+                        f"nothing to measure the host core beside; its error is above"
+                    )
                 beside = adam_s()
             finally:
                 load.kill()
@@ -323,7 +332,7 @@ def host_slowdown_beside_compute(model: GPT, tokens: int, rounds: int, iteration
     finally:
         os.sched_setaffinity(0, affinity)
     return {"ratio": statistics.median(pairs), "ratios": pairs, "tokens": tokens,
-            "compute_load": "the GPT's forward and backward (fp32), looping, compute core"}  # fmt: skip
+            "compute_load": f"the GPT's forward and backward ({precision}), looping, compute core"}  # fmt: skip
 
 
 def text_batches(tokens: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -580,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else None
         )
         host_interference = (
-            host_slowdown_beside_compute(model, tokens, 3 if args.quick else 5, 10)
+            host_slowdown_beside_compute(model, tokens, precision, 3 if args.quick else 5, 10)
             if pinned
             else None
         )
