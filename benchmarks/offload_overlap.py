@@ -83,8 +83,8 @@ The keys:
   An update starts in backward at the earliest, and while backward runs the host core does
   1/r of the work it does alone in the same time, so at most B / r of the update's
   alone-time is done by backward's end and the rest, at least U - B / r, follows it: the
-  overlapped step is at least T_serial - B / r long. The plain runs' bound (the clipped ones' is in
-  ``details.emulation``); null where not pinned. A GPU does not slow its host: there r is 1.
+  overlapped step is at least T_serial - B / r long. The plain runs' bound (the clipped ones'
+  is in ``details.emulation``); null where not pinned. A GPU does not slow its host: there r is 1.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -215,19 +215,74 @@ def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> tuple:
     )
 
 
-# The host core's stand-in load: torch's fused AdamW over the model's elements, in a process of
-# its own (so it holds no GIL of the benchmark's), pinned to the host core.
-_HOST_LOAD = """
-import os, sys, torch
-torch.set_num_threads(1)
-os.sched_setaffinity(0, {int(sys.argv[2])})
-n = int(sys.argv[1])
-p, g, m, v = ([torch.rand(n)] for _ in range(4))
-step = [torch.zeros(())]
-while True:
-    torch._fused_adamw_(p, g, m, v, [], step, lr=1e-4, beta1=0.9, beta2=0.999,
-                        weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False)
-"""
+class AdamLoad:
+    """torch's fused AdamW over ``elements`` fp32 elements: the stand-in for the host update,
+    both where it is timed and where it loads the host core."""
+
+    def __init__(self, elements: int) -> None:
+        self.param, self.grad, self.exp_avg, self.exp_avg_sq = (
+            [torch.rand(elements)] for _ in range(4)
+        )
+        self.step_count = [torch.zeros(())]
+
+    def step(self) -> None:
+        torch._fused_adamw_(self.param, self.grad, self.exp_avg, self.exp_avg_sq, [],
+                            self.step_count, lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0,
+                            eps=1e-8, amsgrad=False, maximize=False)  # fmt: skip
+
+
+def load_loop(kind: str, core: str, *args: str) -> None:
+    """A load process's body (see ``slowdowns_beside``; its arguments are strings): pinned to
+    ``core``, one thread, one iteration, a line saying it runs, then forever.
+    ``adam ELEMENTS``: the host core's stand-in load; ``compute TOKENS DTYPE``: forward and
+    backward of the benchmark's GPT (fresh weights: the time does not depend on them)."""
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {int(core)})
+    if kind == "adam":
+        iteration = AdamLoad(int(args[0])).step
+    else:
+        tokens, dtype = int(args[0]), getattr(torch, args[1])
+        model = GPT(gpt_config(tokens)).to(dtype)
+        x = torch.randint(0, 256, (1, tokens))
+
+        def iteration() -> None:
+            model(x, x).backward()
+
+    iteration()
+    print("running", flush=True)
+    while True:
+        iteration()
+
+
+_LOAD = "import sys; from benchmarks.offload_overlap import load_loop; load_loop(*sys.argv[1:])"
+
+
+def slowdowns_beside(
+    measure_s: Callable[[], float], load: Sequence[str], rounds: int
+) -> list[float]:
+    """``measure_s()`` alone and beside a load process (``load_loop``'s arguments), alternating
+    ``rounds`` times after a warm-up: the ratios beside / alone. The load runs in a process of
+    its own, so it holds no GIL of the benchmark's."""
+    command = [sys.executable, "-c", _LOAD, *load]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    measure_s()  # warm
+    ratios = []
+    for _ in range(rounds):
+        alone = measure_s()
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+        try:
+            assert process.stdout is not None
+            if process.stdout.readline() != "running\n":  # its first iteration is done
+                raise RuntimeError(
+                    f"the load {' '.join(load)} exited ({process.wait()}) before its loop ran: "
+                    f"nothing to measure beside; its error is above"
+                )
+            beside = measure_s()
+        finally:
+            process.kill()
+            process.wait()
+        ratios.append(beside / alone)
+    return ratios
 
 
 def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, steps: int) -> dict:
@@ -247,40 +302,10 @@ def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, step
         model.zero_grad(set_to_none=True)
         return statistics.median(seconds)
 
-    forward_backward_s()  # warm
     elements = sum(p.numel() for p in model.parameters())
-    command = [sys.executable, "-c", _HOST_LOAD, str(elements), str(HOST_CORE)]
-    pairs = []
-    for _ in range(rounds):
-        alone = forward_backward_s()
-        load = subprocess.Popen(command)
-        try:
-            time.sleep(1.0)  # its buffers allocated and the loop running
-            beside = forward_backward_s()
-        finally:
-            load.kill()
-            load.wait()
-        pairs.append(beside / alone)
-    return {"ratio": statistics.median(pairs), "ratios": pairs, "tokens": tokens,
+    ratios = slowdowns_beside(forward_backward_s, ["adam", str(HOST_CORE), str(elements)], rounds)
+    return {"ratio": statistics.median(ratios), "ratios": ratios, "tokens": tokens,
             "host_load": "torch._fused_adamw_ over the model's elements, looping, host core"}  # fmt: skip
-
-
-# The compute core's stand-in load: forward and backward of the benchmark's GPT in the run's
-# precision (fresh weights: the time does not depend on them), looping, in a process of its own.
-_COMPUTE_LOAD = """
-import os, sys, torch
-from chunkmem.models.gpt import GPT, GPTConfig
-torch.set_num_threads(1)
-os.sched_setaffinity(0, {int(sys.argv[3])})
-tokens, n_layer = int(sys.argv[1]), int(sys.argv[2])
-model = GPT(GPTConfig(vocab_size=256, block_size=tokens, n_layer=n_layer, n_head=4, n_embd=512))
-model.to(getattr(torch, sys.argv[4]))
-x = torch.randint(0, 256, (1, tokens))
-model(x, x).backward()
-print("running", flush=True)
-while True:
-    model(x, x).backward()
-"""
 
 
 def host_slowdown_beside_compute(
@@ -291,47 +316,26 @@ def host_slowdown_beside_compute(
     beside forward and backward looping on the compute core in another process, alternating
     ``rounds`` times; the median of the paired ratios. The overlapped update runs beside
     backward; a GPU's backward does not slow its host's update."""
-    elements = sum(p.numel() for p in model.parameters())
-    param, grad, exp_avg, exp_avg_sq = ([torch.rand(elements)] for _ in range(4))
-    step = [torch.zeros(())]
+    adam = AdamLoad(sum(p.numel() for p in model.parameters()))
 
     def adam_s() -> float:
         seconds = []
         for _ in range(iterations):
             start = time.perf_counter()
-            torch._fused_adamw_(param, grad, exp_avg, exp_avg_sq, [], step, lr=1e-4, beta1=0.9,
-                                beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
-                                maximize=False)  # fmt: skip
+            adam.step()
             seconds.append(time.perf_counter() - start)
         return statistics.median(seconds)
 
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
-    command = [sys.executable, "-c", _COMPUTE_LOAD, str(tokens), str(N_LAYER), str(COMPUTE_CORE),
-               dtype]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    pairs = []
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {HOST_CORE})
     try:
-        adam_s()  # warm
-        for _ in range(rounds):
-            alone = adam_s()
-            load = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, text=True)
-            try:
-                assert load.stdout is not None
-                if load.stdout.readline() != "running\n":  # its first backward is done
-                    raise RuntimeError(
-                        f"the compute load exited ({load.wait()}) before its loop ran: "
-                        f"nothing to measure the host core beside; its error is above"
-                    )
-                beside = adam_s()
-            finally:
-                load.kill()
-                load.wait()
-            pairs.append(beside / alone)
+        ratios = slowdowns_beside(
+            adam_s, ["compute", str(COMPUTE_CORE), str(tokens), dtype], rounds
+        )
     finally:
         os.sched_setaffinity(0, affinity)
-    return {"ratio": statistics.median(pairs), "ratios": pairs, "tokens": tokens,
+    return {"ratio": statistics.median(ratios), "ratios": ratios, "tokens": tokens,
             "compute_load": f"the GPT's forward and backward ({precision}), looping, compute core"}  # fmt: skip
 
 
@@ -343,11 +347,16 @@ def text_batches(tokens: int, count: int) -> list[tuple[torch.Tensor, torch.Tens
     return [(row[:, :-1], row[:, 1:]) for row in rows]
 
 
+def gpt_config(tokens: int) -> GPTConfig:
+    """The benchmark's GPT: byte vocabulary, N_LAYER blocks 512 wide."""
+    return GPTConfig(vocab_size=256, block_size=tokens, n_layer=N_LAYER, n_head=4, n_embd=512)
+
+
 def model_for(tokens: int, pretrain_steps: int = 0) -> GPT:
     """The GPT, trained ``pretrain_steps`` steps first in plain PyTorch (past the first
     steps' large gradients, as a run that has settled: see the module note on clipping)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, block_size=tokens, n_layer=N_LAYER, n_head=4, n_embd=512))
+    model = GPT(gpt_config(tokens))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     for x, y in text_batches(tokens, pretrain_steps):
         model(x, y).backward()
