@@ -106,6 +106,7 @@ import torch
 import chunkmem
 from benchmarks._common import parse_args, print_table, write_results
 from benchmarks._measured_code import python_command
+from benchmarks._timing import median_seconds
 from chunkmem.cli.data import stdlib_text
 from chunkmem.models.gpt import GPT, GPTConfig
 
@@ -318,13 +319,8 @@ def host_slowdown_beside_compute(
     backward; a GPU's backward does not slow its host's update."""
     adam = AdamLoad(sum(p.numel() for p in model.parameters()))
 
-    def adam_s() -> float:
-        seconds = []
-        for _ in range(iterations):
-            start = time.perf_counter()
-            adam.step()
-            seconds.append(time.perf_counter() - start)
-        return statistics.median(seconds)
+    def adam_s() -> float:  # slowdowns_beside warms it once
+        return median_seconds({"adam": adam.step}, repeats=iterations, warmup=0)["adam"]
 
     dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
     affinity = os.sched_getaffinity(0)
