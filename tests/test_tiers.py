@@ -139,7 +139,7 @@ def test_a_copy_off_the_device_left_to_its_reader_holds_the_device_bytes_until_i
     residency.drains.reap()
     assert ledger.device.by_kind[DRAINING] == CHUNK * 4, "held until the reader's copy ran"
 
-    reader = threading.Thread(target=TierCopy(chunk.tier, chunk.pending_event).wait)
+    reader = threading.Thread(target=TierCopy(chunk.tier, event).wait)
     reader.start()
     reader.join()
     assert event.is_completed() and torch.equal(chunk.payload, values)
