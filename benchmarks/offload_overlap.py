@@ -44,12 +44,6 @@ shape and not of the overlap. The engines here use one block's parameters per ch
 (``chunk.size``), and the full run reports the plain pair at auto chunk size beside it
 (``details.plain_auto_chunks``, the ablation).
 
-[Note: the switch interval] While host updates run beside backward the engine shortens the
-interpreter's switch interval (``offload.switch_interval_s``, offload/gil_slicing.py), so that
-backward's Python hooks do not queue behind the host thread's Python for up to 5 ms. The full
-run repeats the clipped pair with the interpreter's own interval beside the others
-(``details.clipped_5ms_switch_interval``, the ablation).
-
 [Note: precision by measurement] A CPU without AVX-512 BF16 or AMX emulates bf16 arithmetic
 through fp32: forward and backward then take several times an fp32 one, and on an AVX2-only
 EPYC the host update was 5% of the serial step even at 16 tokens, nowhere near the regime. So
@@ -104,7 +98,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -150,10 +143,8 @@ def block_elements(model: GPT) -> int:
 
 
 def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str, precision: str,
-          chunk_size: int | str | None = None, switch_interval: bool = True):  # fmt: skip
-    """An engine on a copy of ``model``; ``chunk_size`` None: one block per chunk;
-    ``switch_interval`` False: the interpreter's own while host updates run (the ablation)."""
-    interval = {} if switch_interval else {"switch_interval_s": None}
+          chunk_size: int | str | None = None):  # fmt: skip
+    """An engine on a copy of ``model``; ``chunk_size`` None: one block per chunk."""
     engine = chunkmem.initialize(
         copy.deepcopy(model),
         config={
@@ -163,7 +154,7 @@ def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str
             "optimizer": {"lr": 1e-4},
             "gradient_clipping": clip,
             "offload": {"optimizer": where, "overlap": overlap, "optimizer_threads": 1,
-                        "nvme": {"path": path, "block_size": 65536}, **interval},
+                        "nvme": {"path": path, "block_size": 65536}},
         },
     )  # fmt: skip
     if overlap and pinned:
@@ -427,13 +418,12 @@ def choose_tokens(
 
 def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, clip: float,
              where: str, path: str, forced: bool, precision: str,
-             chunk_size: int | str | None = None, switch_interval: bool = True) -> dict:  # fmt: skip
+             chunk_size: int | str | None = None) -> dict:  # fmt: skip
     """Both engines, step by step in alternating order; per-step samples and bit-identity."""
     engines = {
-        name: build(model, overlap, pinned, clip, where, f"{path}/{name}", precision, chunk_size,
-                    switch_interval)
+        name: build(model, overlap, pinned, clip, where, f"{path}/{name}", precision, chunk_size)
         for name, overlap in (("serial", False), ("overlapped", True))
-    }  # fmt: skip
+    }
     samples: dict[str, list[tuple]] = {name: [] for name in engines}
     forced_steps: list[int] = []
     for index, (x, y) in enumerate(text_batches(tokens, warmup + steps)):
@@ -584,8 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = model_for(tokens, pretrain_steps)
         # Plain and clipped pairs alternate, each repeat on fresh engines: the keys are the
         # medians over the repeats (a run's own ratio is the median over its blocks).
-        # The ablation (full runs): the clipped pair with the interpreter's switch interval.
-        repeated: dict[str, list[dict]] = {"plain": [], "clipped": [], "clipped_5ms": []}
+        repeated: dict[str, list[dict]] = {"plain": [], "clipped": []}
         for _ in range(repeats):
             repeated["plain"].append(
                 run_pair(model, tokens, steps, warmup, pinned, 0.0, "host", nvme, False, precision)
@@ -593,11 +582,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeated["clipped"].append(
                 run_pair(model, tokens, steps, warmup, pinned, CLIP, "host", nvme, True, precision)
             )
-            if not args.quick:
-                repeated["clipped_5ms"].append(
-                    run_pair(model, tokens, steps, warmup, pinned, CLIP, "host", nvme, True,
-                             precision, None, False)
-                )  # fmt: skip
         runs = {
             "nvme": run_pair(
                 model, tokens, nvme_steps, nvme_warmup, pinned, CLIP, "nvme", nvme, False,
@@ -622,14 +606,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     clipped_repeats = [analyse(run, CLIP) for run in repeated["clipped"]]
     plain = median_repeat(plain_repeats)
     clipped = median_repeat(clipped_repeats)
-    ablation_repeats = [analyse(run, CLIP) for run in repeated["clipped_5ms"]]
-    ablation = median_repeat(ablation_repeats) if ablation_repeats else None
     on_nvme = analyse(runs["nvme"], CLIP)
     auto_chunks = analyse(runs["plain_auto_chunks"], 0.0) if "plain_auto_chunks" in runs else None
     clipped_run = repeated["clipped"][clipped_repeats.index(clipped)]
     demo_clips = (1.0,) if args.quick else (1.0, 0.5)  # 0.5 is reported beside the key
     demo = {clip: clipped_fraction(demo_steps, clip) for clip in demo_clips}
-    identical = all(run["identical"] for run in [*runs.values(), *chain(*repeated.values())])
+    identical = all(
+        run["identical"] for run in [*runs.values(), *repeated["plain"], *repeated["clipped"]]
+    )
     metrics = {
         "update_hidden_fraction": over_repeats(plain_repeats, "update_hidden_fraction"),
         "update_hidden_fraction_clipped": over_repeats(clipped_repeats, "update_hidden_fraction"),
@@ -670,7 +654,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("clip 1.0", clipped),
                 ("clip 1.0, NVMe", on_nvme),
                 *((("plain, auto chunks", auto_chunks),) if auto_chunks else ()),
-                *((("clip 1.0, 5 ms switch interval", ablation),) if ablation else ()),
             )
         ],  # fmt: skip
     )
@@ -696,16 +679,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "clipped": clipped,
         "repeats": {
             name: {key: [repeat_value(r, key) for r in repeats_of] for key in REPEATED_KEYS}
-            for name, repeats_of in (
-                ("plain", plain_repeats),
-                ("clipped", clipped_repeats),
-                ("clipped_5ms_switch_interval", ablation_repeats),
-            )
+            for name, repeats_of in (("plain", plain_repeats), ("clipped", clipped_repeats))
         },  # fmt: skip
         "nvme_clipped": on_nvme,
         "chunk_size_elements": block_elements(model),
         "plain_auto_chunks": auto_chunks,
-        "clipped_5ms_switch_interval": ablation,
         "speculation": {
             k: clipped_run[k]
             for k in ("commits", "rollbacks", "started_in_backward", "forced_steps")

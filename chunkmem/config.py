@@ -269,14 +269,6 @@ class OffloadConfig(Section):
         description="OpenMP threads of the host optimizer; auto: torch.get_num_threads(). "
         "With overlap, leave cores for the compute.",
     )
-    switch_interval_s: float | None = Field(
-        0.0002,
-        gt=0,
-        description="With overlap: the interpreter's switch interval (sys.setswitchinterval) "
-        "while host updates run beside backward, restored when the last one is done. "
-        "Python's 5 ms default lets the host thread's Python hold the GIL while backward's "
-        "hooks wait for it (docs/offload.md). null: leave the interpreter's setting alone.",
-    )
     nvme: NvmeConfig = NvmeConfig()
 
 

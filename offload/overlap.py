@@ -29,7 +29,6 @@ from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config
 from chunkmem.optimizer import ChunkAdam
 from chunkmem.sharding import GradReducer
-from offload.gil_slicing import sliced
 from offload.speculation import Speculation
 
 _log = logging.getLogger("chunkmem.offload")
@@ -55,13 +54,9 @@ class OverlappedStep:
     one updates.
     """
 
-    def __init__(
-        self, optimizer: ChunkAdam, reducer: GradReducer, switch_interval_s: float | None
-    ) -> None:
+    def __init__(self, optimizer: ChunkAdam, reducer: GradReducer) -> None:
         self.optimizer = optimizer
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-host-step")
-        # Runs hold the switch interval short (offload/gil_slicing.py).
-        self._submit = sliced(self._executor.submit, switch_interval_s)
         self._order: list[int] = []  # layout indices, as they became final last cycle
         self._now: list[int] = []
         self._waiting: list[ChunkLayout] = []  # final, but a unit still holds a chunk
@@ -96,7 +91,7 @@ class OverlappedStep:
         for layout in waiting:
             if not optimizer.states.can_update_now(layout) or not self._staging_room(layout):
                 self._waiting.append(layout)
-            elif optimizer.start_early(layout, self._submit):
+            elif optimizer.start_early(layout, self._executor.submit):
                 self.started += 1
                 upcoming = self._next_after(layout.index)
                 if upcoming is not None:
@@ -153,4 +148,4 @@ def attach(config: Config, optimizer: ChunkAdam, reducer: GradReducer) -> Overla
             "exactly when the assumption fails (%s)",
             "; ".join(reasons),
         )
-    return OverlappedStep(optimizer, reducer, config.offload.switch_interval_s)
+    return OverlappedStep(optimizer, reducer)

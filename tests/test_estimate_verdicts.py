@@ -195,7 +195,6 @@ NOT_NEEDED = {
     ),
     "zero.timeout_s": "a deadline",
     "offload.optimizer_threads": "threads, not bytes",
-    "offload.switch_interval_s": "the interpreter's timing, not bytes",
     "report.formats": "the report's files",
     "report.max_move_events": "the report's event list, host memory outside the ledger",
 }
