@@ -199,9 +199,13 @@ class UpdateBuilder:
             staged.outs = self._host_buffers(stack, sizes, param.dtype, work, protect)
             after.append(functools.partial(torch._foreach_copy_, spans(param, pieces), staged.outs))
         if mixed:  # fp32 training moved its chunks to the host: the residency accounted it
-            account = functools.partial(account_stream, self.residency)
-            after.append(functools.partial(account, sources, sizes, work, True))
-            after.append(functools.partial(account, [param] * len(pieces), sizes, work, False))
+            residency = self.residency
+            after.append(functools.partial(account_stream, residency, sources, sizes, work, True))
+            after.append(
+                functools.partial(
+                    account_stream, residency, [param] * len(pieces), sizes, work, False
+                )
+            )
         return staged, after
 
     def _host_kernel(self, kernels: ModuleType) -> Callable[..., None]:

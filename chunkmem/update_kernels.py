@@ -43,7 +43,7 @@ def fp32_norms(tensors: list[torch.Tensor], host_threads: int | None) -> list[to
         kernels is not None
         and tensors
         and tensors[0].dtype in (torch.bfloat16, torch.float16)
-        and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors)
+        and all(t.is_cpu and t.dtype == tensors[0].dtype for t in tensors)
     ):
         return kernels.norms(tensors, host_threads)
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)

@@ -202,13 +202,11 @@ class Snapshot:
         it (None for a gradient the update neither overwrites nor divides). Saving in the
         kernel's pass writes 2 bytes per 16-bit element where a copy before it would read the
         gradient too, and read it again from memory. Called on the update's thread, as its
-        kernel calls are built."""
-        for target, buffer in self._saved:
-            if target.grads:
-                sizes = [hi - lo for _s, lo, hi in target.pieces]
-                saves = dict(zip(map(_key, target.pieces), torch.split(buffer, sizes), strict=True))
-                return [saves.get(_key(piece)) for piece in self.pieces]
-        return [None] * len(self.pieces)
+        kernel calls are built; only where :attr:`saves_grads`."""
+        target, buffer = next((t, b) for t, b in self._saved if t.grads)
+        sizes = [hi - lo for _s, lo, hi in target.pieces]
+        saves = dict(zip(map(_key, target.pieces), torch.split(buffer, sizes), strict=True))
+        return [saves.get(_key(piece)) for piece in self.pieces]
 
     def take(self) -> None:
         """On the update's thread before its kernels (its reads are in): copy what it
