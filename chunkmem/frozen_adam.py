@@ -11,10 +11,17 @@ exact ones up to a bounded residual) carries through to the parameters.
 with the second-moment line dropped and its bias correction held at ``frozen_steps``. It runs
 torch's elementwise ops a slice at a time, so its temporaries stay within ``SLICE_ELEMENTS``
 whatever the tensor's size.
+
+An element whose frozen second moment is 0 (no warm-up gradient reached it: the row of a token
+the warm-up never saw) has no scale for its steps, and takes none. A frozen 0 would step it by
+``lr * m / eps``, some 10^5 ``lr``; an estimate from its first compressed gradient (which may be
+a near-cancelled sum of sign codes) was measured to step it by 20 ``lr`` a step later. The
+first frozen step warns with the count.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -23,6 +30,8 @@ import torch
 from kernels.host_optim import NewStates
 
 SLICE_ELEMENTS = 1 << 18  # fp32 temporaries of 1 MiB each
+
+_log = logging.getLogger("chunkmem")
 
 
 def frozen_variance_adam_(
@@ -58,6 +67,8 @@ def frozen_variance_adam_(
     by ``grad_scale`` (not in place) and widened to fp32; 16-bit states and ``params_out`` are
     rounded to nearest-even when stored. ``num_threads`` is torch's (unused here).
 
+    Elements whose second moment is 0 take no step from their moments (the module's note).
+
     ``momentum_in_gradients`` (DGC's momentum correction): the gradients already are a momentum
     of that decay, started when the variance froze, so they become the first moment as they
     are, bias-corrected by ``1 - momentum ** steps_frozen`` instead of Adam's.
@@ -81,6 +92,8 @@ def frozen_variance_adam_(
         )
         params, exp_avgs, exp_avg_sqs = new_states
     scale = None if grad_scale is None else float(grad_scale)
+    if steps_frozen == 1:
+        _say_what_stays_still(exp_avg_sqs)
     for index, param in enumerate(params):
         step = float(state_steps[index])
         last_exact = step - steps_frozen
@@ -116,6 +129,22 @@ def frozen_variance_adam_(
             )
 
 
+def _say_what_stays_still(exp_avg_sqs: Sequence[torch.Tensor]) -> None:
+    """A warning, at the first frozen step, when elements had no gradient in the warm-up: they
+    take no step while the variance stays frozen."""
+    unseen = sum(int((v == 0).sum()) for v in exp_avg_sqs)
+    if unseen:
+        total = sum(v.numel() for v in exp_avg_sqs)
+        _log.warning(
+            "compression.freeze_variance: %d of the %d parameter elements updated here had no "
+            "gradient in the exact warm-up (second moment 0); with no scale for their steps "
+            "they take none while the variance is frozen. Give compression.warmup_steps enough "
+            "exact steps for every parameter to see a gradient",
+            unseen,
+            total,
+        )
+
+
 def _update_slice(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -146,7 +175,10 @@ def _update_slice(
         first.lerp_(grad, 1 - beta1)
     if first is not exp_avg:
         exp_avg.copy_(first)
-    denom = exp_avg_sq.float().sqrt().div_(bias_correction2_sqrt).add_(eps)
-    param.addcdiv_(first, denom, value=-step_size)
+    second = exp_avg_sq.float()
+    denom = second.sqrt().div_(bias_correction2_sqrt).add_(eps)
+    unseen = second == 0
+    param.addcdiv_(first.masked_fill(unseen, 0) if bool(unseen.any()) else first, denom,
+                   value=-step_size)  # fmt: skip
     if out is not None:
         out.copy_(param)

@@ -9,12 +9,14 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
+import chunkmem
 from chunkmem import frozen_adam
 from chunkmem.chunk import ChunkKind
 from chunkmem.frozen_adam import frozen_variance_adam_
 from kernels.host_optim import NewStates
-from tests.distributed_helpers import run_threads
+from tests.distributed_helpers import one_rank_at_a_time, run_threads
 from tests.test_checkpoints import moments
 from tests.test_compression import WORLD, _batch, _engine, train_recorded
 
@@ -94,6 +96,31 @@ def test_an_update_out_of_place_equals_the_one_in_place() -> None:
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     for want, got in zip(in_place, new, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_an_element_no_warmup_step_reached_takes_no_step(state_dtype, caplog) -> None:
+    """Elements whose frozen variance is 0 (no warm-up gradient reached them: an embedding row
+    of a token the warm-up never saw; a sign code gives such an element +-scale) take no step,
+    where ``lr * m / eps`` would throw them by some 10^5 ``lr``; the others step as the
+    reference; the first frozen step warns with the count, later ones do not."""
+    param, grad = torch.ones(6), torch.tensor([0.5, -2.0, 0.0, 0.5, -2.0, 0.0])
+    exp_avg = torch.zeros(6)
+    exp_avg_sq = torch.tensor([0.0, 0.0, 0.0, 1e-4, 1e-4, 1e-4]).to(state_dtype)
+    before = (param.clone(), exp_avg.clone(), exp_avg_sq.clone())
+    for steps_frozen in (1, 2):
+        step = 8.0 + steps_frozen
+        caplog.clear()
+        frozen_variance_adam_(
+            [param], [grad], [exp_avg], [exp_avg_sq], [], [torch.tensor(step)], **HYPER,
+            decoupled=True, steps_frozen=steps_frozen,
+        )  # fmt: skip
+        warned = [r.getMessage()[:39] for r in caplog.records if "freeze_var" in r.getMessage()]
+        assert warned == (["compression.freeze_variance: 3 of the 6"] if steps_frozen == 1 else [])
+    decay = (1 - HYPER["lr"] * HYPER["weight_decay"]) ** 2
+    assert torch.allclose(param[:3], before[0][:3] * decay, rtol=0, atol=1e-7), "decay alone"
+    assert torch.equal(exp_avg_sq, before[2])
+    assert (param[3:5] - before[0][3:5] * decay).abs().min() > 1e-3, "the others step"
 
 
 def test_bad_arguments_are_refused() -> None:
@@ -180,3 +207,54 @@ def test_the_engine_freezes_at_the_last_warmup_step(monkeypatch) -> None:
     assert calls and set(calls) == {1, 2, 3}
     # steps 3, 4 and 5 of each rank: one call per parameter group and layout each
     assert len(calls) % 3 == 0
+
+
+class Lookup(nn.Module):
+    """An embedding whose upper rows no warm-up batch reads (the tokens a short warm-up never
+    sees), then a readout."""
+
+    ROWS, WIDTH = 32, 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(self.ROWS, self.WIDTH)
+        self.out = nn.Linear(self.WIDTH, 1)
+
+    def forward(self, tokens: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.out(self.table(tokens)).squeeze(-1), y)
+
+
+def train_rows_unseen_in_the_warmup(comm) -> list[torch.Tensor]:
+    """1-bit Adam (2 exact steps on rows 0-15, then compressed steps on all 32 rows) at
+    ZeRO-2, bf16, clipping 1.0: the embedding table after the warm-up and after each step."""
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        module = Lookup()
+    engine = chunkmem.initialize(module, comm=comm, config={
+        "device": {"type": "simulated", "capacity": "16MiB"}, "precision": "bf16",
+        "zero": {"stage": 2, "timeout_s": 30}, "gradient_clipping": 1.0,
+        "optimizer": {"lr": HYPER["lr"], "weight_decay": 0.0}, "compression": FROZEN, "chunk": {"size": 512},
+    })  # fmt: skip
+    tables = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + comm.rank)
+        rows = Lookup.ROWS // 2 if step < FROZEN["warmup_steps"] else Lookup.ROWS
+        tokens = torch.randint(0, rows, (8, 4), generator=g)
+        loss = engine(tokens, torch.randn(8, 4, generator=g))
+        engine.backward(loss)
+        engine.step()
+        if step >= FROZEN["warmup_steps"] - 1:
+            tables.append(engine.state_dict()["table.weight"].clone())
+    return tables
+
+
+def test_rows_no_warmup_step_reached_stay_still_in_the_engine(caplog) -> None:
+    """In the engine, rows the warm-up never read keep their values under the frozen variance
+    (they moved by some 10^3 with a frozen 0 in the denominator) while the rows it read train,
+    and each rank's first frozen step says how many elements stay still."""
+    for tables in run_threads(train_rows_unseen_in_the_warmup, WORLD, timeout_s=60):
+        seen, unseen = slice(None, Lookup.ROWS // 2), slice(Lookup.ROWS // 2, None)
+        for before, after in zip(tables, tables[1:], strict=False):
+            assert torch.equal(after[unseen], before[unseen])
+            assert not torch.equal(after[seen], before[seen])
+    assert any("had no gradient in the exact warm-up" in r.getMessage() for r in caplog.records)
