@@ -102,8 +102,8 @@ def test_an_update_out_of_place_equals_the_one_in_place() -> None:
 def test_an_element_no_warmup_step_reached_takes_no_step(state_dtype, caplog) -> None:
     """Elements whose frozen variance is 0 (no warm-up gradient reached them: an embedding row
     of a token the warm-up never saw; a sign code gives such an element +-scale) take no step,
-    where ``lr * m / eps`` would throw them by some 10^5 ``lr``; the others step as the
-    reference; the first frozen step warns with the count, later ones do not."""
+    where ``lr * m / eps`` would throw them by some 10^5 ``lr``; the others step (their values:
+    the reference test above); the first frozen step warns with the count, later ones do not."""
     param, grad = torch.ones(6), torch.tensor([0.5, -2.0, 0.0, 0.5, -2.0, 0.0])
     exp_avg = torch.zeros(6)
     exp_avg_sq = torch.tensor([0.0, 0.0, 0.0, 1e-4, 1e-4, 1e-4]).to(state_dtype)
