@@ -15,7 +15,7 @@ whatever the tensor's size.
 An element whose frozen second moment is 0 (no warm-up gradient reached it: the row of a token
 the warm-up never saw) has no scale for its steps, and takes none. A frozen 0 would step it by
 ``lr * m / eps``, some 10^5 ``lr``; an estimate from its first compressed gradient (which may be
-a near-cancelled sum of sign codes) was measured to step it by 20 ``lr`` a step later. The
+a near-cancelled sum of sign codes) was measured to step it by 22 ``lr`` a step later. The
 first frozen step warns with the count.
 """
 
@@ -177,8 +177,8 @@ def _update_slice(
         exp_avg.copy_(first)
     second = exp_avg_sq.float()
     denom = second.sqrt().div_(bias_correction2_sqrt).add_(eps)
-    unseen = second == 0
-    param.addcdiv_(first.masked_fill(unseen, 0) if bool(unseen.any()) else first, denom,
-                   value=-step_size)  # fmt: skip
+    if float(second.amin()) == 0:  # none is negative: the min tells, at a tenth of a mask's cost
+        first = first.masked_fill(second == 0, 0)
+    param.addcdiv_(first, denom, value=-step_size)
     if out is not None:
         out.copy_(param)

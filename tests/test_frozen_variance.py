@@ -5,6 +5,7 @@ first moment goes on, training follows exact training, and a resumed run is bit 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -233,7 +234,8 @@ def train_rows_unseen_in_the_warmup(comm) -> list[torch.Tensor]:
     engine = chunkmem.initialize(module, comm=comm, config={
         "device": {"type": "simulated", "capacity": "16MiB"}, "precision": "bf16",
         "zero": {"stage": 2, "timeout_s": 30}, "gradient_clipping": 1.0,
-        "optimizer": {"lr": HYPER["lr"], "weight_decay": 0.0}, "compression": FROZEN, "chunk": {"size": 512},
+        "optimizer": {"lr": HYPER["lr"], "weight_decay": 0.0}, "compression": FROZEN,
+        "chunk": {"size": 512},
     })  # fmt: skip
     tables = []
     for step in range(4):
@@ -254,7 +256,7 @@ def test_rows_no_warmup_step_reached_stay_still_in_the_engine(caplog) -> None:
     and each rank's first frozen step says how many elements stay still."""
     for tables in run_threads(train_rows_unseen_in_the_warmup, WORLD, timeout_s=60):
         seen, unseen = slice(None, Lookup.ROWS // 2), slice(Lookup.ROWS // 2, None)
-        for before, after in zip(tables, tables[1:], strict=False):
+        for before, after in itertools.pairwise(tables):
             assert torch.equal(after[unseen], before[unseen])
             assert not torch.equal(after[seen], before[seen])
     assert any("had no gradient in the exact warm-up" in r.getMessage() for r in caplog.records)
