@@ -561,6 +561,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     share_steps = 2 if args.quick else 4
     repeats = 1 if args.quick else REPEATS
     pretrain_steps = 10 if args.quick else 80
+    # Each interference round starts a load process (torch's import, a model): one round in a
+    # quick run keeps it inside its minute.
+    probe_rounds = 1 if args.quick else 5
     pinned = len(os.sched_getaffinity(0)) >= 2
     torch.set_num_threads(1)
     if pinned:
@@ -589,12 +592,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
         }  # fmt: skip
         interference = (
-            compute_slowdown_beside_host_load(model, tokens, 2 if args.quick else 5, 6)
+            compute_slowdown_beside_host_load(model, tokens, probe_rounds, 6)
             if pinned
             else None
         )
         host_interference = (
-            host_slowdown_beside_compute(model, tokens, precision, 3 if args.quick else 5, 10)
+            host_slowdown_beside_compute(model, tokens, precision, probe_rounds, 10)
             if pinned
             else None
         )
