@@ -326,6 +326,16 @@ class ZeroConfig(Section):
         "one ring over the world brings (W-1)/W (3 pieces for 2 on 2 nodes x 2, 15 for 8 on "
         "2 nodes x 8). false: one all-gather over the world (the ablation).",
     )
+    step_gather_two_level: bool = Field(
+        True,
+        description="Stages 1-2: the all-gather of each layout's updated parameter shards "
+        "after its update in two levels, across nodes among the ranks of one local rank, then "
+        "inside each node, in place, where the world spans several nodes of several ranks and "
+        "that cuts what a node takes in by 10% or more (up to 8 nodes of 8): a node takes in "
+        "(W-D)/(W-1) of one ring's pieces (2 of 3 on 2 nodes x 2, 8 of 15 on 2 x 8), in "
+        "nodes + 1 collectives where a ring is one. The same parameters bit for bit. false: "
+        "one all-gather over the world (the ablation).",
+    )
     hpz_partition_size: int = Field(
         1,
         ge=1,

@@ -290,6 +290,32 @@ def test_zeropp_wire_bytes_are_the_ledger_s_on_two_nodes_of_two(zeropp: dict[str
     assert predicted.cross_node_bytes_per_rank < plain.cross_node_bytes_per_rank
 
 
+STEP_GATHERS = {
+    f"stage{stage}-{'two-levels' if two_level else 'one-ring'}": {
+        "stage": stage,
+        "step_gather_two_level": two_level,
+    }
+    for stage in (1, 2)
+    for two_level in (True, False)
+}
+
+
+@pytest.mark.parametrize("zero", STEP_GATHERS.values(), ids=STEP_GATHERS.keys())
+def test_stage12_wire_bytes_are_the_ledger_s_on_two_nodes_of_two(zero: dict[str, Any]) -> None:
+    """Stages 1-2 on 2 nodes x 2, the step's gather in two levels and over one ring: every
+    rank's bytes and the cross-node ones to the byte; two levels send fewer across."""
+    results = run_threads(_zeropp_rank, 4, zero, timeout_s=30, deadline_s=180)
+    model = ModelSettings(**SMALL, checkpointing=True)
+    predicted = predict(model, _zeropp_config(zero), batch=4, world=4, node=2).wire
+    assert [m.wire for m in results] == [predicted.bytes_per_rank] * 4
+    assert max(m.cross_node for m in results) == predicted.cross_node_bytes_per_rank
+    assert sum(m.cross_node for m in results) == predicted.cross_node_bytes_all_ranks
+    if zero["step_gather_two_level"]:
+        ring = predict(model, _zeropp_config({**zero, "step_gather_two_level": False}), batch=4,
+                       world=4, node=2).wire  # fmt: skip
+        assert predicted.cross_node_bytes_all_ranks < ring.cross_node_bytes_all_ranks
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_zeropp_device_peak_is_the_ledger_s_on_gloo_ranks() -> None:

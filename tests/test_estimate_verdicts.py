@@ -137,6 +137,7 @@ MODELLED = {
     "chunk.max_fraction_of_capacity", "placement.unit_elements", "zero.stage", "zero.backend",
     "zero.transport", "zero.node_size", "zero.quantized_weights",
     "zero.quantized_weights_block_size", "zero.quantized_weights_two_level",
+    "zero.step_gather_two_level",
     "zero.hpz_partition_size", "zero.quantized_gradients",
     "zero.quantized_gradients_block_size", "compression.type", "compression.block_size", "compression.rank",
     "compression.min_compression_rate", "compression.density", "compression.sparsity_warmup_steps",

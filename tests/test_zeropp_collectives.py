@@ -25,8 +25,8 @@ from zero.quantized_gather import (
 from zero.quantized_reduce import HierarchicalQuantizedReduceScatter
 from zero.topology import (
     Topology,
+    build_gather_groups,
     build_node_groups,
-    build_weight_gather_groups,
     resolve_node_size,
 )
 from zero.wire import WireBuffers, packed_nbytes
@@ -171,7 +171,7 @@ def _qwz_gathers(comm: Communicator) -> list[str]:
     wire = WireBuffers(workspaces)
     topology = Topology(comm.size, PER_NODE)
     comm.topology = topology
-    inter, intra = build_weight_gather_groups(comm, topology)
+    inter, intra = build_gather_groups(comm, topology)
     layouts = {
         "one ring": FlatPieces(comm, comm.world),
         "two levels": TwoLevelPieces(comm, topology, inter, intra),
@@ -218,7 +218,7 @@ def _cross_node_pieces(comm: Communicator) -> dict[str, int]:
     """Bytes this rank sends to the other node in one int8 gather of 1,024-element shards."""
     topology = Topology(comm.size, PER_NODE)
     comm.topology = topology
-    inter, intra = build_weight_gather_groups(comm, topology)
+    inter, intra = build_gather_groups(comm, topology)
     wire = WireBuffers(_HostWorkspaces())
     sent = {}
     for how, pieces in (

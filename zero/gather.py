@@ -2,7 +2,8 @@
 
 - :class:`GatherUpdatedShards` (stages 1-2): every rank keeps whole parameter chunks and
   updates only its shard; after each layout's update the shards are all-gathered in place,
-  asynchronously, overlapping the next layouts' updates.
+  asynchronously, overlapping the next layouts' updates, in one ring or in two levels across
+  nodes (``zero.two_level_gather``).
 - :class:`GatherForCompute` (stage 3): a rank keeps only its shard; each use all-gathers the
   layout into a gathered copy, owned by the layout's :class:`zero.layout_life.LayoutLife`,
   prefetched one traced moment ahead, and resharded by a rule every rank applies alike (the
@@ -125,6 +126,47 @@ class Then:
         return self._handle.is_completed()
 
 
+class Chained:
+    """A collective, then the one ``then`` issues once the first completed, at ``advance`` or
+    ``wait`` and never when a poll happens to see the first done (see [Note: the two-level
+    weight gather] in zero.quantized_gather): every rank issues the second at the same point
+    of its program. Not completed before it is advanced."""
+
+    def __init__(self, first: Waitable, then: Callable[[], Waitable]) -> None:
+        self._first: Waitable | None = first
+        self._then = then
+        self._second: Waitable | None = None
+
+    def advance(self) -> None:
+        """Wait for the first collective and issue the second (once)."""
+        if self._first is not None:
+            self._first.wait()
+            self._first = None
+            self._second = self._then()
+
+    def wait(self) -> None:
+        self.advance()
+        assert self._second is not None
+        self._second.wait()
+
+    def is_completed(self) -> bool:
+        return self._second is not None and self._second.is_completed()
+
+
+class AllOf:
+    """Several launched collectives as one: waited for in the order given."""
+
+    def __init__(self, handles: list[Waitable]) -> None:
+        self._handles = handles
+
+    def wait(self) -> None:
+        for handle in self._handles:
+            handle.wait()
+
+    def is_completed(self) -> bool:
+        return all(handle.is_completed() for handle in self._handles)
+
+
 class GatherUpdatedShards(ParamGatherer):
     """Stages 1-2: all-gather each layout's updated shard into its whole parameter chunk."""
 
@@ -137,6 +179,12 @@ class GatherUpdatedShards(ParamGatherer):
     def after_update(self, layout: ChunkLayout) -> None:
         param = layout.chunks[ChunkKind.PARAM]
         self.residency.room.ensure_on_device([param])
+        if self._gathering:
+            # A gather in two levels issues its second when the next starts (every rank
+            # updates the layouts in one order): it overlaps this one's first.
+            previous = self._gathering[-1].arriving
+            if isinstance(previous, Chained):
+                previous.advance()
         start, numel = self.sharding.shard(layout)
         param.pin()
         self._gathering.append(param)
@@ -157,9 +205,10 @@ class GatherUpdatedShards(ParamGatherer):
 
 
 class GatherUpdatedShardsCosts(GathererCosts):
-    """:class:`GatherUpdatedShards`' costs: an in-place all-gather after each update."""
+    """:class:`GatherUpdatedShards`' costs: an in-place all-gather after each update (one ring,
+    or :mod:`zero.two_level_gather`'s), no buffer."""
 
-    def __init__(self, weights: ExactAllGatherCosts) -> None:
+    def __init__(self, weights: WeightGatherCosts) -> None:
         self.weights = weights
 
     def after_update(self, capacity: int) -> list[Traffic]:

@@ -35,7 +35,6 @@ Error per element (docs/zeropp.md): with ``s = max(absmax(block) / Q, 2^-126)``,
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -45,7 +44,7 @@ from chunkmem.costs import Traffic
 from chunkmem.sharding import Waitable
 from zero.comm import Communicator, Group, Handle
 from zero.comm_ledger import collective_traffic
-from zero.gather import Then
+from zero.gather import Chained, Then
 from zero.topology import Topology
 from zero.wire import WireBuffers, packed_nbytes, packed_view
 
@@ -99,32 +98,11 @@ class TwoLevelPieces:
         mine = block[self.inter.rank * piece : (self.inter.rank + 1) * piece]
         with self.comm.serving(phase):
             across = self.comm.all_gather(mine, block, group=self.inter, async_op=True)
-        return _Chained(across, lambda: self._inside(block, wire, phase))
+        return Chained(across, lambda: self._inside(block, wire, phase))
 
     def _inside(self, block: torch.Tensor, wire: torch.Tensor, phase: str) -> Handle:
         with self.comm.serving(phase):
             return self.comm.all_gather(block, wire, group=self.intra, async_op=True)
-
-
-class _Chained:
-    """A collective, then the one ``then`` issues once the first is waited for (only then:
-    [Note: the two-level weight gather]). Not completed before ``wait``."""
-
-    def __init__(self, first: Waitable, then: Callable[[], Waitable]) -> None:
-        self._first: Waitable | None = first
-        self._then = then
-        self._second: Waitable | None = None
-
-    def wait(self) -> None:
-        if self._first is not None:
-            self._first.wait()
-            self._first = None
-            self._second = self._then()
-        assert self._second is not None
-        self._second.wait()
-
-    def is_completed(self) -> bool:
-        return self._second is not None and self._second.is_completed()
 
 
 class QuantizedAllGather:

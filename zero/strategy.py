@@ -37,6 +37,7 @@ from zero.comm_ledger import collective_traffic
 from zero.compression import build_compressed_reduction, compressed_reduction_costs
 from zero.cycle_clock import CycleClock
 from zero.gather import (
+    AllGather,
     ExactAllGather,
     ExactAllGatherCosts,
     GatherForCompute,
@@ -68,11 +69,12 @@ from zero.reduce import (
 from zero.topology import (
     NodeGroups,
     Topology,
+    build_gather_groups,
     build_node_groups,
-    build_weight_gather_groups,
     check_hpz_partition_size,
     resolve_node_size,
 )
+from zero.two_level_gather import TwoLevelStepGather, TwoLevelStepGatherCosts, two_levels_pay
 from zero.wire import BytesPool, WireBuffers
 
 _WEIGHT_BITS = {True: 8, "int8": 8, "int4": 4}
@@ -164,6 +166,7 @@ class ZeroChoice:
     gradient_block: int
     hpz_partition_size: int
     weights_two_level: bool
+    step_gather_two_level: bool
 
     @classmethod
     def of(cls, config: ZeroConfig) -> ZeroChoice:
@@ -175,6 +178,7 @@ class ZeroChoice:
             config.quantized_gradients_block_size,
             config.hpz_partition_size,
             config.quantized_weights_two_level,
+            config.step_gather_two_level,
         )
 
     def two_level_weights(self, topology: Topology) -> bool:
@@ -185,6 +189,13 @@ class ZeroChoice:
             and self.weights_two_level
             and topology.nodes > 1
             and topology.node_size > 1
+        )
+
+    def two_level_step_gather(self, topology: Topology) -> bool:
+        """Stages 1-2 gather the updated shards in two levels: asked for, and they pay on this
+        topology (``zero.two_level_gather``)."""
+        return (
+            not self.gathers_for_compute and self.step_gather_two_level and two_levels_pay(topology)
         )
 
     @property
@@ -218,6 +229,8 @@ class ZeroStrategyCosts(StrategyCosts):
 
     choice: ZeroChoice
 
+    two_level_step_gather: bool  # on this topology (ZeroChoice.two_level_step_gather)
+
     def held_bytes(self) -> int:
         return self.pool.held_bytes
 
@@ -230,6 +243,8 @@ class ZeroStrategyCosts(StrategyCosts):
             parts.append(f"hpZ over {choice.hpz_partition_size} ranks")
         if choice.gradient_bits:
             parts.append(f"qgZ int{choice.gradient_bits} (blocks of {choice.gradient_block})")
+        if self.two_level_step_gather:
+            parts.append("the step's gather in two levels")
         return ", ".join(parts)
 
 
@@ -266,9 +281,15 @@ class ZeroStrategy(Strategy):
         if self.choice.node_groups:
             self.groups = build_node_groups(comm, self.topology, config.hpz_partition_size)
         self._weight_pieces: PieceGather | None = None
+        self._step_gather: AllGather = self._step_all_gather
         if self.choice.two_level_weights(self.topology):
-            inter, intra = build_weight_gather_groups(comm, self.topology)
+            inter, intra = build_gather_groups(comm, self.topology)
             self._weight_pieces = TwoLevelPieces(comm, self.topology, inter, intra)
+        elif self.choice.two_level_step_gather(self.topology):
+            inter, intra = build_gather_groups(comm, self.topology)
+            self._step_gather = TwoLevelStepGather(
+                comm, self.topology, inter, intra, Phase.STEP.value
+            )
         if self.choice.weight_bits or self.choice.gradient_bits or self.compression.type != "none":
             _check_native_kernels(device)
         self._wire: WireBuffers | None = None
@@ -286,7 +307,7 @@ class ZeroStrategy(Strategy):
     def gatherer(self, residency: Residency) -> ParamGatherer:
         choice = self.choice
         if not choice.gathers_for_compute:
-            return GatherUpdatedShards(residency, self.sharding, self._step_all_gather)
+            return GatherUpdatedShards(residency, self.sharding, self._step_gather)
         weights: WeightGather = ExactAllGather(self.comm)
         if choice.weight_bits:
             weights = QuantizedAllGather(
@@ -359,7 +380,11 @@ class ZeroStrategy(Strategy):
             check_hpz_partition_size(topology, choice.hpz_partition_size)
         pool = BytesPool()
         exact = ExactAllGatherCosts(topology, itemsize)
-        gatherer: GathererCosts = GatherUpdatedShardsCosts(exact)
+        gatherer: GathererCosts = GatherUpdatedShardsCosts(
+            TwoLevelStepGatherCosts(topology, itemsize)
+            if choice.two_level_step_gather(topology)
+            else exact
+        )
         if choice.gathers_for_compute:
             weights: WeightGatherCosts = exact
             if choice.weight_bits:
@@ -387,7 +412,9 @@ class ZeroStrategy(Strategy):
             )
         reducer: ReducerCosts = ReduceScatterGradsCosts(topology, reduction, pool, choice.overlap)
         sharding = ZeroShardingCosts(choice.stage, topology)
-        return ZeroStrategyCosts(sharding, gatherer, reducer, pool, choice)
+        return ZeroStrategyCosts(
+            sharding, gatherer, reducer, pool, choice, choice.two_level_step_gather(topology)
+        )
 
 
 def _check_native_kernels(device: torch.device) -> None:

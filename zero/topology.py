@@ -138,11 +138,14 @@ def build_node_groups(
     )
 
 
-def build_weight_gather_groups(comm: Communicator, topology: Topology) -> tuple[Group, Group]:
-    """The groups of qwZ's two-level gather (zero.quantized_gather), apart from every other
-    group so that no other collective's order interleaves with theirs: this rank's class
+def build_gather_groups(comm: Communicator, topology: Topology) -> tuple[Group, Group]:
+    """The groups of a parameter gather in two levels (qwZ's at stage 3,
+    zero.quantized_gather; the step's at stages 1-2, zero.two_level_gather), apart from every
+    other group so that no other collective's order interleaves with theirs: this rank's class
     across nodes and its node (every rank creates all of them, in one order)."""
     size, rank = topology.node_size, comm.rank
-    inter = [comm.new_group(f"qwz_cross{local}", topology.cross(local)) for local in range(size)]
-    intra = [comm.new_group(f"qwz_node{n}", topology.node(n * size)) for n in range(topology.nodes)]
+    inter = [comm.new_group(f"gather_cross{local}", topology.cross(local)) for local in range(size)]
+    intra = [
+        comm.new_group(f"gather_node{n}", topology.node(n * size)) for n in range(topology.nodes)
+    ]
     return inter[topology.local_rank(rank)], intra[topology.node_of(rank)]
