@@ -11,7 +11,9 @@ warm-up (torch's `start_powerSGD_iter`); `dgc` as Deep Gradient Compression's re
 sparsity in blocks of 32, momentum correction and factor masking, local clipping, the density
 falling from 25% over 20% of the steps), on Adam after the same 20% exact warm-up with the
 variance frozen; `auto` with the 20% warm-up (its judge times it). At
-1 Gbit/s the ablation `onebit-ef-only` (no warm-up, no frozen variance) runs too (not in
+1 Gbit/s the ablations `onebit-ef-only` (no warm-up, no frozen variance) and
+`powersgd-one-ring` (ZeRO-2's gather of updated shards over one ring, not in two levels: what
+`zero.step_gather_two_level` is worth to the comparison with torch's hook) run too (not in
 `--quick`). At
 1 Gbit/s torch DDP with `powerSGD_hook` (rank 4, fp32 parameters under bf16 autocast, clipping
 1.0, AdamW) trains the same model on the same batches, and ZeRO-3 and host offload run once per
@@ -25,7 +27,8 @@ step, every collective, from the communicator's ledger), `time_to_loss_ratio_vs_
 <method>` (at 1 Gbit/s, wall time until the 10-step moving average of the loss reaches the
 uncompressed run's at its last step; compressed runs may take 50% more steps to get there; null
 when they do not), `final_loss_rel_diff_vs_uncompressed_<method>` (the mean of the last 10
-steps' losses), `powersgd_time_to_loss_ratio_vs_torch_hook`, `auto_time_ratio_vs_best_fixed_<rate>` (auto's
+steps' losses), `powersgd_time_to_loss_ratio_vs_torch_hook` (and its ablation
+`powersgd_one_ring_time_to_loss_ratio_vs_torch_hook`), `auto_time_ratio_vs_best_fixed_<rate>` (auto's
 time to loss, its link probe at initialize included, over the best fixed choice's at that
 rate, `none` included; `auto_time_ratio_vs_best_fixed` is the larger of the two) and
 `auto_choice_<rate>`.
@@ -57,6 +60,7 @@ from benchmarks.zeropp import (
 METHODS = ("none", "onebit", "terngrad", "powersgd", "dgc")
 AUTO = "auto"
 ABLATION = "onebit-ef-only"
+ONE_RING = "powersgd-one-ring"  # ZeRO-2's step gather over one ring, not in two levels
 WARMUP_FRACTION = {"onebit": 0.2, "powersgd": 0.1, "dgc": 0.2, AUTO: 0.2}
 DGC_SPARSITY_WARMUP_FRACTION = 0.2  # of the steps, after the exact warm-up
 RATES = ("1gbit", "10gbit")
@@ -158,7 +162,12 @@ def _engine_trainer(spec: dict, run: dict):
         "device": {"type": "simulated", "capacity": "8GiB"},
         "optimizer": {"lr": spec["lr"], "weight_decay": 0.1},
         "gradient_clipping": 1.0,
-        "zero": {"stage": run["stage"], "timeout_s": 600, "node_size": PER_NODE},
+        "zero": {
+            "stage": run["stage"],
+            "timeout_s": 600,
+            "node_size": PER_NODE,
+            "step_gather_two_level": not run.get("one_ring", False),
+        },
         "compression": run["compression"],
     }
     if run.get("offload"):
@@ -239,6 +248,7 @@ def _runs(setup: dict, rate: str) -> list[dict[str, Any]]:
         if setup["extras"]:
             runs.append({"name": ABLATION, "compression": {"type": "onebit"}, "stage": 2,
                          "steps": longer})  # fmt: skip
+            runs.append(run(ONE_RING, "powersgd", longer, one_ring=True))
     for judged in runs:  # the runs whose times are compared: step by step, side by side
         judged["interleaved"] = True
     if rate == "1gbit" and setup["extras"]:
@@ -325,6 +335,10 @@ def metrics(details: dict[str, Any]) -> dict[str, Any]:
     if TORCH_HOOK in slow and "powersgd" in slow:
         out["powersgd_time_to_loss_ratio_vs_torch_hook"] = _ratio(
             slow["powersgd"]["time_to_loss_s"], slow[TORCH_HOOK]["time_to_loss_s"]
+        )
+    if TORCH_HOOK in slow and ONE_RING in slow:  # the ablation: the step's gather in one ring
+        out["powersgd_one_ring_time_to_loss_ratio_vs_torch_hook"] = _ratio(
+            slow[ONE_RING]["time_to_loss_s"], slow[TORCH_HOOK]["time_to_loss_s"]
         )
     out.update(auto_metrics(details))
     return out

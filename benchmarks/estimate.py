@@ -7,6 +7,8 @@ Cases (bf16, the simulated device large enough that nothing has to move; three s
   sizes (the larger with activation checkpointing) x two micro-batches; stage 0 in one
   process, stages 1-3 on 2 gloo ranks.
 - **zeropp**: stage 3 on 4 gloo ranks as 2 nodes x 2 with qwZ, hpZ, qgZ and all three.
+- **nodes**: stage 2 on 4 gloo ranks as 2 nodes x 2, the step's gather of updated shards in
+  two levels (``zero.step_gather_two_level``) and over one ring.
 - **nvme**: the states on the NVMe tier (a directory here), in one process and at ZeRO-3
   on 2 ranks.
 - **frozen**: a GPT whose embeddings and first half of blocks are frozen (fine-tuning the
@@ -148,6 +150,21 @@ def cases(setup: dict[str, Any]) -> list[dict[str, Any]]:
         }  # fmt: skip
         for name, zero in ZEROPP.items()
     ]
+    # Stage 2 across nodes: the step's gather of updated shards in two levels and over one ring.
+    nodes = [
+        {
+            "family": "nodes",
+            "name": name,
+            "stage": 2,
+            "offload": "auto",
+            "model": large,
+            "batch": batch,
+            "world": 4,
+            "node": 2,
+            "zero": {"step_gather_two_level": two_level},
+        }  # fmt: skip
+        for name, two_level in (("two levels", True), ("one ring", False))
+    ]
     spread = [
         {
             "family": family,
@@ -160,7 +177,7 @@ def cases(setup: dict[str, Any]) -> list[dict[str, Any]]:
         for family, offload, model in (("nvme", "nvme", large), ("frozen", "auto", frozen))
         for stage in (0, 3)
     ]
-    return grid + zeropp + spread
+    return grid + zeropp + nodes + spread
 
 
 def engine_config(case: dict[str, Any], nvme_directory: str | None = None) -> dict[str, Any]:
@@ -346,7 +363,7 @@ def label(case: dict[str, Any]) -> str:
     else:
         shape = f"{model['layers']}x{model['width']}{'+ckpt' if model['checkpointing'] else ''}"
     where = {"auto": "dev ", "host": "host", "nvme": "nvme"}[case["offload"]]
-    extra = f" {case['name']} 2x2" if case["family"] == "zeropp" else ""
+    extra = f" {case['name']} 2x2" if case["family"] in ("zeropp", "nodes") else ""
     return f"z{case['stage']} {where} {shape} b{case['batch']}{extra}"
 
 

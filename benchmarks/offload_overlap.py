@@ -592,9 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
         }  # fmt: skip
         interference = (
-            compute_slowdown_beside_host_load(model, tokens, probe_rounds, 6)
-            if pinned
-            else None
+            compute_slowdown_beside_host_load(model, tokens, probe_rounds, 6) if pinned else None
         )
         host_interference = (
             host_slowdown_beside_compute(model, tokens, precision, probe_rounds, 10)
