@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from chunkmem.config import Config
-from tests.distributed_helpers import run_threads
+from tests.distributed_helpers import run_ranks, run_threads
 from tests.test_zeropp import ITEMSIZE, train
 from zero.comm import Communicator
 from zero.gather import ExactAllGatherCosts
@@ -93,6 +93,17 @@ def test_every_shard_arrives_and_only_other_nodes_pieces_cross(nodes: int, per_n
     two_level = TwoLevelStepGatherCosts(topology, 4).traffic(world * 5, "step")
     assert sum(sum(one.cross) for one in ring) == (world - 1) * 5 * 4
     assert sum(sum(one.cross) for one in two_level) == (world - per_node) * 5 * 4
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_gloo_ranks_gather_the_same_bits_and_bytes() -> None:
+    """The same cases on 4 gloo ranks as 2 nodes x 2 (the transport's point-to-point rings on
+    windows of the chunk, where the in-process world copies tensors)."""
+    results = run_ranks(_gathers, 4, 2, timeout_s=60)
+    sizes = [n * dtype.itemsize for dtype in (torch.float32, torch.bfloat16) for n in SHARDS]
+    for rank, sent in enumerate(results):
+        assert sent == {"cross": sum(sizes), "intra": 2 * sum(sizes), "gathers": 4}, rank
 
 
 def _stage_config(stage: int, two_level: bool) -> dict:
