@@ -78,8 +78,8 @@ class TwoLevelStepGather:
         inside level is issued when the returned gather is advanced or waited for."""
         piece, nodes = shard.numel(), self.topology.nodes
         node, local = self.inter.rank, self.intra.rank
-        start = (node * (self.topology.node_size - 1) + local) * piece
-        window = full[start : start + nodes * piece]
+        first = node * (self.topology.node_size - 1) + local  # the window's first piece
+        window = full[first * piece : (first + nodes) * piece]
         mine = window[node * piece : (node + 1) * piece]
         if mine.data_ptr() != shard.data_ptr() or mine.numel() != piece:
             raise ValueError(
@@ -88,7 +88,7 @@ class TwoLevelStepGather:
             )
         with self.comm.serving(self.phase):
             across = self.comm.all_gather(mine, window, group=self.inter, async_op=True)
-        arrival = Chained(across, lambda: self._inside(full, start // piece, piece))
+        arrival = Chained(across, lambda: self._inside(full, first, piece))
         if not async_op:
             arrival.wait()
         return arrival
