@@ -95,8 +95,8 @@ class ShardingCosts:
         """Ranks a gradient is split over once reduced (model-state sizing)."""
         return 1
 
-    def step_traffic(self, num_params: int) -> list[Traffic]:
-        """The step's small reductions (which parameters got gradients; the norm)."""
+    def step_traffic(self, votes: int) -> list[Traffic]:
+        """The step's one small all-reduce: the squared norm and ``votes`` presence votes."""
         return []
 
 
@@ -160,9 +160,9 @@ class ReducerCosts:
     def complete(self, layout: ChunkLayout, device: DeviceBytes, label: str) -> None:
         """The reduction of ``layout`` completed: what it held goes back."""
 
-    def step_traffic(self, num_params: int) -> list[Traffic]:
-        """What the step exchanges about the gradients of ``num_params`` parameters."""
-        return []
+    def presence_votes(self, num_params: int) -> int:
+        """Of ``num_params`` parameters, how many presence votes ride on the step's norm."""
+        return 0
 
 
 @dataclass

@@ -323,28 +323,28 @@ class ChunkAdam:
                 slot.grad_in_param_slot = False
             self.manager.binder.bind_layout(layout)
 
-    def grad_norm(self) -> float:
-        """L2 norm of the gradients the update will use (averaged over ranks under ZeRO),
-        before loss-scale division; computed where each gradient lives, no chunk moves.
+    def local_grad_squares(self) -> torch.Tensor:
+        """The squared L2 norm (fp64, shape (1,)) of the gradients this rank's update will
+        use, before loss-scale division; computed where each gradient lives, no chunk moves.
+        Ranks sum theirs (``chunkmem.step_gate``) before they agree on which parameters have
+        gradients, so where gradients are summed across ranks every parameter's is read.
 
-        Like ``clip_grad_norm_``: the fp32 norm of per-tensor norms (here per piece); ranks
-        add the squares of their local norms.
+        Like ``clip_grad_norm_``: the fp32 norm of per-tensor norms (here per piece).
         """
+        every_slot = self.grads.reducer.sums_across_ranks
         norms = []
         for layout in self.params.trainable_layouts():
+            pieces = owned_pieces(
+                layout, self.states.state_span(layout), with_grads_only=not every_slot
+            )
             early = self.launched.get(layout.index)
             if early is not None:  # taken before its update consumed the gradients
                 early.wait()
                 norms.extend(early.grad_norms)
-                continue
-            norms.extend(self._piece_norms(owned_pieces(layout, self.states.state_span(layout))))
+                pieces = [p for p in pieces if id(p[0]) not in early.slot_ids]
+            norms.extend(self._piece_norms(pieces))
         local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        sharding = self.sharding
-        if sharding.world_size == 1:
-            return float(local)
-        squares = local.double().square().reshape(1)
-        sharding.all_reduce_sum(squares)
-        return math.sqrt(float(squares)) / sharding.world_size
+        return local.double().square().reshape(1)
 
     def _piece_norms(self, pieces: list[Piece]) -> list[torch.Tensor]:
         """fp32 L2 norms of the pieces' gradients, on the CPU."""

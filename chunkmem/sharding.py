@@ -3,7 +3,8 @@
 The core never asks which ZeRO stage runs. It asks three objects questions:
 
 - :class:`Sharding`: which span of each layout this rank owns (its parameters, its optimizer
-  states) and the two small collectives the step needs (reading values, the norm).
+  states) and the two small collectives the step needs (reading values; the norm, with the
+  reducer's presence votes).
 - :class:`ParamGatherer`: which chunk kind parameters compute on, how that chunk gets its
   content, what to prefetch, when a copy is dropped, and what to do after a layout's update.
 - :class:`GradReducer`: where a parameter's gradient is for the update, and what happens as
@@ -295,6 +296,20 @@ class GradReducer:
 
     def before_step(self) -> None:
         """Every gradient the update reads must be final now (every rank calls it)."""
+
+    # Gradients are summed across ranks: a parameter may have a reduced gradient here though
+    # this rank computed none (zero where no rank did), so the step's norm reads every one.
+    sums_across_ranks = False
+
+    def presence_votes(self) -> torch.Tensor:
+        """This rank's vote on which parameters have a gradient (fp64, one per parameter),
+        summed over ranks in the step's one small all-reduce, with the squared norm; empty
+        where gradients stay on their rank."""
+        return torch.zeros(0, dtype=torch.float64)
+
+    def agree_presence(self, votes: torch.Tensor) -> None:
+        """Every rank's :meth:`presence_votes`, summed: a parameter has a gradient if any rank
+        gave one (Adam skips the others, as on the global batch)."""
 
     def cancel(self) -> None:
         """An exception ended the cycle: finish or drop everything in flight, unpin it all."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import math
 
+import torch
+
 from chunkmem.config import Config
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
 from chunkmem.optimizer import ChunkAdam, clip_coefficient
@@ -45,10 +47,11 @@ class StepGate:
     def decide(self, step: int) -> tuple[bool, float]:
         """(skip step ``step``, gradient divisor). The global norm is computed every step: it
         is the clipping norm, and it tells non-finite gradients (one read of the gradients;
-        under ZeRO one small all-reduce, so every rank decides alike). Settles the early
-        updates begun in backward: they stand, or are undone, before this returns."""
+        under ZeRO one small all-reduce, with the presence votes, so every rank decides
+        alike). Settles the early updates begun in backward: they stand, or are undone,
+        before this returns."""
         scale = self.scaler.scale
-        norm = self.optimizer.grad_norm() / scale
+        norm = self._global_norm() / scale
         self.last_grad_norm = norm
         max_norm = self.reducer.global_clipping(self.config.gradient_clipping)
         coefficient = clip_coefficient(norm, max_norm)
@@ -77,3 +80,14 @@ class StepGate:
             f"batch may train. Lower the learning rate or check the data, or set config "
             f"'nonfinite': 'skip' to skip such steps"
         )
+
+    def _global_norm(self) -> float:
+        """The L2 norm of the gradients the update will use (averaged over ranks under ZeRO),
+        in one small all-reduce that also carries the reducer's presence votes: one
+        latency-bound collective a step, not two. Presence is agreed before the update."""
+        votes = self.reducer.presence_votes()
+        message = torch.cat([votes, self.optimizer.local_grad_squares()])
+        sharding = self.optimizer.sharding
+        sharding.all_reduce_sum(message)
+        self.reducer.agree_presence(message[:-1])
+        return math.sqrt(float(message[-1])) / sharding.world_size

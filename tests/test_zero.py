@@ -340,9 +340,10 @@ def test_a_device_of_the_steady_peak_plus_ten_percent_trains_from_step_one() -> 
         assert result["losses"] == roomy[rank]["losses"], "placement never changes a value"
 
 
-def branch_rank(comm, stage: int) -> dict:
+def branch_rank(comm, stage: int, clipping: float = 0.0) -> dict:
     """A unit whose second layer only rank 0's batch uses (data decides the branch): its
-    gradients exist on one rank only, from the first iteration on."""
+    gradients exist on one rank only, from the first iteration on. The state, each step's
+    norm and each step's all-reduce calls (the ledger's)."""
     with one_rank_at_a_time(comm):
         torch.manual_seed(0)
         model = Branchy()
@@ -353,13 +354,21 @@ def branch_rank(comm, stage: int) -> dict:
             "device": {"type": "simulated", "capacity": "16MiB"},
             "chunk": {"size": 256},
             "optimizer": {"lr": 1e-2},
+            "gradient_clipping": clipping,
             "zero": {"stage": stage, "timeout_s": 10},
         },
     )
+    norms = []
     for x, y in branch_batches()[comm.rank]:
         engine.backward(engine(x, y, comm.rank == 0))
         engine.step()
-    return engine.state_dict()
+        norms.append(engine.last_grad_norm)
+    ledger = engine.states.sharding.comm.ledger
+    step_all_reduces = [
+        ledger.by_phase(tag).get(("all_reduce", "step"), {}).get("calls", 0)
+        for tag in range(len(norms))
+    ]
+    return {"state": engine.state_dict(), "norms": norms, "step_all_reduces": step_all_reduces}
 
 
 class Branchy(torch.nn.Module):
@@ -385,13 +394,15 @@ def branch_batches() -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     ]  # fmt: skip
 
 
-def branch_reference() -> dict[str, torch.Tensor]:
+def branch_reference(clipping: float = 0.0) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Two ranks' gradients summed (rank 1 gives none to the branch), AdamW dividing by 2; a
-    parameter counts as having a gradient if any rank gave one."""
+    parameter counts as having a gradient if any rank gave one. With ``clipping``, the
+    average is clipped by ``clip_grad_norm_`` first. The parameters and each step's norm."""
     torch.manual_seed(0)
     model = Branchy()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
     data = branch_batches()
+    norms = []
     for step in range(4):
         grads: dict[str, torch.Tensor] = {}
         for rank in range(2):
@@ -403,20 +414,44 @@ def branch_reference() -> dict[str, torch.Tensor]:
                     grads[name] = grads[name] + param.grad if name in grads else param.grad.clone()
         for name, param in model.named_parameters():
             param.grad = grads.get(name)
-        optimizer.grad_scale = torch.tensor(2.0)
+        if clipping:
+            for param in model.parameters():
+                if param.grad is not None:
+                    param.grad /= 2
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clipping)))
+        else:
+            optimizer.grad_scale = torch.tensor(2.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, norms
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_a_branch_one_rank_does_not_take_stays_in_step_bit_for_bit(stage: int) -> None:
     """The branch's layout is complete on rank 0 when its gradients arrive and settled with
     zeros by rank 1's end of backward; both issue the same reductions in the same order."""
-    expected = branch_reference()
-    for rank, state in enumerate(run_threads(branch_rank, 2, stage)):
+    expected, _norms = branch_reference()
+    for rank, result in enumerate(run_threads(branch_rank, 2, stage)):
+        state = result["state"]
         differ = [name for name, value in expected.items() if not torch.equal(state[name], value)]
         assert differ == [], f"rank {rank}: {differ}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_the_step_agrees_on_presence_and_the_norm_in_one_all_reduce(stage: int) -> None:
+    """Rank 1 computes no gradient for the branch, yet owns part of its shard: its norm
+    reads that part (the branch's gradients from rank 0) before the ranks agree that the
+    branch has a gradient, since both ride on the one all-reduce a step sends. Clipping
+    fires every step, so a norm that missed it would clip differently."""
+    expected, expected_norms = branch_reference(clipping=0.05)
+    assert min(expected_norms) > 0.05, "clipping fires"
+    for rank, result in enumerate(run_threads(branch_rank, 2, stage, 0.05)):
+        assert result["step_all_reduces"] == [1, 1, 1, 1], f"rank {rank}"
+        assert result["norms"] == pytest.approx(expected_norms, rel=1e-6), f"rank {rank}"
+        for name, value in expected.items():
+            torch.testing.assert_close(
+                result["state"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}"
+            )
 
 
 def carried_gathers(comm) -> dict:

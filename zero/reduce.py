@@ -36,7 +36,6 @@ from chunkmem.sharding import (
     VarianceSchedule,
     Waitable,
 )
-from chunkmem.tracer import Phase
 from zero.comm import Communicator
 from zero.comm_ledger import collective_traffic
 from zero.kinds import GRAD_SHARD
@@ -264,7 +263,6 @@ class ReduceScatterGrads(GradReducer):
     def before_step(self) -> None:
         if not self.overlap:
             self._reduce_remaining()
-        self._sync_presence()
 
     # ------------------------------------------------------------------ the window
     def _launch(self, layout: ChunkLayout) -> None:
@@ -330,12 +328,15 @@ class ReduceScatterGrads(GradReducer):
             reduction.advance()  # the last ones' next collectives together, then wait
         self._retire(keep=0)
 
-    def _sync_presence(self) -> None:
-        """A parameter has a gradient if any rank produced one (as on the global batch)."""
-        slots = list(self.params.slots.values())
-        present = torch.tensor([float(s.has_grad) for s in slots], dtype=torch.float32)
-        self.sharding.all_reduce_sum(present)
-        for slot, count in zip(slots, present.tolist(), strict=True):
+    # ------------------------------------------------------------------ the step
+    sums_across_ranks = True
+
+    def presence_votes(self) -> torch.Tensor:
+        slots = self.params.slots.values()
+        return torch.tensor([float(s.has_grad) for s in slots], dtype=torch.float64)
+
+    def agree_presence(self, votes: torch.Tensor) -> None:
+        for slot, count in zip(self.params.slots.values(), votes.tolist(), strict=True):
             if count and not slot.grad_contributions:
                 slot.grad_contributions = 1  # its shard holds the other ranks' gradients
 
@@ -372,7 +373,7 @@ class ReduceScatterGradsCosts(ReducerCosts):
     """:class:`ReduceScatterGrads`' costs: this rank's shard of every trainable layout, the
     reduction's traffic and wire buffer (from the pool the gatherer shares) per layout, in
     backward when ``overlap``, and the step's agreement on which parameters got gradients
-    (one fp32 per parameter, all-reduced)."""
+    (one vote per parameter, riding on the norm's all-reduce)."""
 
     reduces = True
     max_in_flight = MAX_REDUCTIONS_IN_FLIGHT
@@ -414,10 +415,5 @@ class ReduceScatterGradsCosts(ReducerCosts):
         if buffer is not None:
             self.pool.give(buffer, device, label)
 
-    def step_traffic(self, num_params: int) -> list[Traffic]:
-        topology = self.topology
-        return [
-            collective_traffic(
-                "all_reduce", num_params, 4, topology, topology.world, Phase.STEP.value
-            )
-        ]
+    def presence_votes(self, num_params: int) -> int:
+        return num_params

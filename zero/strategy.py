@@ -104,7 +104,7 @@ class ZeroSharding(Sharding):
         self.comm.all_gather(shard, full)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        """The step's small reductions (which parameters have gradients, the norm)."""
+        """The step's small reductions (the norm with the presence votes)."""
         with self.comm.serving("step"):
             if tensor.device == self.device:
                 self.comm.all_reduce(tensor, op="sum")
@@ -131,7 +131,7 @@ class ZeroSharding(Sharding):
 class ZeroShardingCosts(ShardingCosts):
     """:class:`ZeroSharding`'s costs: a rank keeps ``1/n`` of every layout's optimizer states,
     of its gradients from stage 2 and of its parameters at stage 3; the step all-reduces the
-    squared gradient norm (one fp64)."""
+    squared gradient norm and the reducer's presence votes (fp64) in one collective."""
 
     sharded = True
 
@@ -149,9 +149,13 @@ class ZeroShardingCosts(ShardingCosts):
     def grad_divisor(self) -> int:
         return self.world_size if self.stage >= 2 else 1
 
-    def step_traffic(self, num_params: int) -> list[Traffic]:
+    def step_traffic(self, votes: int) -> list[Traffic]:
         topology = self.topology
-        return [collective_traffic("all_reduce", 1, 8, topology, topology.world, Phase.STEP.value)]
+        return [
+            collective_traffic(
+                "all_reduce", votes + 1, 8, topology, topology.world, Phase.STEP.value
+            )
+        ]
 
 
 @dataclass(frozen=True)

@@ -351,8 +351,7 @@ class _Simulation:
         if reducer.reduces and not reducer.in_backward:  # every layout before the step
             self._reduce_remaining(grads, [], set(), "step")
         num_params = len(self.trace.numels)
-        self._send(reducer.step_traffic(num_params))
-        self._send(self.sharding.step_traffic(num_params))
+        self._send(self.sharding.step_traffic(reducer.presence_votes(num_params)))
         if self.carries:  # updated first, then gathered while the other layouts update
             for layout in sorted(self.first_moment_layouts()):
                 self._send(self.gatherer.carry(layout, self.capacity(layout), device, "step"))
