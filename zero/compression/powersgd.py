@@ -235,7 +235,7 @@ class _PowerSGDWork:
             self._orthogonalize_ps()
             for m, p, q in zip(self._ms, self._ps, self._qs, strict=True):
                 torch.matmul(m.t(), p, out=q)
-                m.sub_(p @ q.t())  # this rank's residual: what its own approximation left out
+                m.addmm_(p, q.t(), alpha=-1)  # this rank's residual: what P Q^T left out
                 m.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
             if self._qs:
                 self._second = self._all_reduce(self._q_values)
