@@ -96,7 +96,8 @@ class ShardingCosts:
         return 1
 
     def step_traffic(self, votes: int) -> list[Traffic]:
-        """The step's one small all-reduce: the squared norm and ``votes`` presence votes."""
+        """The step's one small all-reduce: ``votes`` presence votes, each with its
+        parameter's squared norm."""
         return []
 
 

@@ -221,7 +221,7 @@ class ChunkAdam:
         if snapshot is not None:
             snapshot.attach(update)
         # The step's norm check needs these gradients, which the run consumes: the run
-        # measures them first, on its own thread (``grad_norm`` waits for it).
+        # measures them first, on its own thread (``_grad_norms`` waits for it).
         update.measure_grad_norms = True
         self.layouts_updated += 1
         self.launched[layout.index] = update
@@ -323,16 +323,33 @@ class ChunkAdam:
                 slot.grad_in_param_slot = False
             self.manager.binder.bind_layout(layout)
 
-    def local_grad_squares(self) -> torch.Tensor:
-        """The squared L2 norm (fp64, shape (1,)) of the gradients this rank's update will
-        use, before loss-scale division; computed where each gradient lives, no chunk moves.
-        Ranks sum theirs (``chunkmem.step_gate``) before they agree on which parameters have
-        gradients, so where gradients are summed across ranks every parameter's is read.
+    def local_grad_norm(self) -> torch.Tensor:
+        """The fp32 L2 norm of the gradients this rank's update will use, before loss-scale
+        division; computed where each gradient lives, no chunk moves. Like
+        ``clip_grad_norm_``: the norm of per-tensor norms (here per piece)."""
+        norms = [norm for _slot, norm in self._grad_norms(every_slot=False)]
+        return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
 
-        Like ``clip_grad_norm_``: the fp32 norm of per-tensor norms (here per piece).
-        """
-        every_slot = self.grads.reducer.sums_across_ranks
-        norms = []
+    def grad_squares_by_parameter(self) -> torch.Tensor:
+        """Per parameter (``params.slots`` order), fp64: the squared norm of its gradient's
+        pieces on this rank, every parameter's, before ranks agree which have a gradient.
+
+        Ranks sum these with their presence votes (``chunkmem.step_gate``), and the norm
+        counts only the parameters some rank gave a gradient: the update skips the others,
+        though a reduction with error feedback may leave values in their reduced shard."""
+        index = {id(slot): i for i, slot in enumerate(self.params.slots.values())}
+        squares = torch.zeros(len(index), dtype=torch.float64)
+        measured = self._grad_norms(every_slot=True)
+        if measured:
+            positions = torch.tensor([index[id(slot)] for slot, _norm in measured])
+            norms = torch.stack([norm for _slot, norm in measured]).double()
+            squares.index_add_(0, positions, norms.square())
+        return squares
+
+    def _grad_norms(self, every_slot: bool) -> list[tuple[TensorSlot, torch.Tensor]]:
+        """(parameter, fp32 norm) of each piece of a gradient this rank's update reads: of
+        parameters with a gradient here, or ``every_slot``."""
+        measured: list[tuple[TensorSlot, torch.Tensor]] = []
         for layout in self.params.trainable_layouts():
             pieces = owned_pieces(
                 layout, self.states.state_span(layout), with_grads_only=not every_slot
@@ -340,11 +357,13 @@ class ChunkAdam:
             early = self.launched.get(layout.index)
             if early is not None:  # taken before its update consumed the gradients
                 early.wait()
-                norms.extend(early.grad_norms)
+                measured.extend(
+                    zip((s for s, _lo, _hi in early.pieces), early.grad_norms, strict=True)
+                )
                 pieces = [p for p in pieces if id(p[0]) not in early.slot_ids]
-            norms.extend(self._piece_norms(pieces))
-        local = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-        return local.double().square().reshape(1)
+            norms = self._piece_norms(pieces)
+            measured.extend(zip((s for s, _lo, _hi in pieces), norms, strict=True))
+        return measured
 
     def _piece_norms(self, pieces: list[Piece]) -> list[torch.Tensor]:
         """fp32 L2 norms of the pieces' gradients, on the CPU."""

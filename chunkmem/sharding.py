@@ -297,14 +297,10 @@ class GradReducer:
     def before_step(self) -> None:
         """Every gradient the update reads must be final now (every rank calls it)."""
 
-    # Gradients are summed across ranks: a parameter may have a reduced gradient here though
-    # this rank computed none (zero where no rank did), so the step's norm reads every one.
-    sums_across_ranks = False
-
     def presence_votes(self) -> torch.Tensor:
         """This rank's vote on which parameters have a gradient (fp64, one per parameter),
-        summed over ranks in the step's one small all-reduce, with the squared norm; empty
-        where gradients stay on their rank."""
+        summed over ranks in the step's one small all-reduce, with the per-parameter squared
+        norms; empty where gradients stay on their rank (a world of one)."""
         return torch.zeros(0, dtype=torch.float64)
 
     def agree_presence(self, votes: torch.Tensor) -> None:

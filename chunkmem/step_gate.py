@@ -82,12 +82,16 @@ class StepGate:
         )
 
     def _global_norm(self) -> float:
-        """The L2 norm of the gradients the update will use (averaged over ranks under ZeRO),
-        in one small all-reduce that also carries the reducer's presence votes: one
-        latency-bound collective a step, not two. Presence is agreed before the update."""
+        """The L2 norm of the gradients the update will use (averaged over ranks under ZeRO).
+        Ranks sum their per-parameter squares with the reducer's presence votes in one small
+        all-reduce, one latency-bound collective a step, not two, and the norm counts the
+        parameters some rank gave a gradient, the ones the update steps."""
         votes = self.reducer.presence_votes()
-        message = torch.cat([votes, self.optimizer.local_grad_squares()])
-        sharding = self.optimizer.sharding
+        if not votes.numel():  # gradients stay on their rank: its norm is the global one
+            return float(self.optimizer.local_grad_norm())
+        optimizer, sharding = self.optimizer, self.optimizer.sharding
+        message = torch.cat([votes, optimizer.grad_squares_by_parameter()])
         sharding.all_reduce_sum(message)
-        self.reducer.agree_presence(message[:-1])
-        return math.sqrt(float(message[-1])) / sharding.world_size
+        votes, squares = message.split(votes.numel())
+        self.reducer.agree_presence(votes)
+        return math.sqrt(float(squares[votes > 0].sum())) / sharding.world_size

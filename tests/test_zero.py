@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from dataclasses import replace
 
 import pytest
@@ -20,10 +21,11 @@ import chunkmem
 from chunkmem.chunk import ChunkKind
 from chunkmem.errors import ConfigError
 from chunkmem.models.gpt import GPT, GPTConfig
+from chunkmem.pieces import owned_pieces
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from tests.reference import max_relative_diff, train_reference
 from zero.comm import CollectiveError
-from zero.kinds import GATHERED
+from zero.kinds import GATHERED, GRAD_SHARD
 
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, bias=False)
 LOCAL_BATCH = 2
@@ -452,6 +454,60 @@ def test_the_step_agrees_on_presence_and_the_norm_in_one_all_reduce(stage: int) 
             torch.testing.assert_close(
                 result["state"][name], value, rtol=1e-5, atol=1e-6, msg=f"rank {rank}: {name}"
             )
+
+
+def error_feedback_rank(comm) -> dict:
+    """1-bit with error feedback at stage 2: rank 0 takes the branch in the first two steps,
+    no rank in the last two. Per step, this rank's squared sums of its reduced gradient shard
+    (read before the step) over the parameters some rank gave a gradient and over the
+    branch, and the engine's norm."""
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = Branchy()
+    engine = chunkmem.initialize(
+        model,
+        comm=comm,
+        config={
+            "device": {"type": "simulated", "capacity": "16MiB"},
+            "chunk": {"size": 256},
+            "optimizer": {"lr": 1e-2},
+            "gradient_clipping": 0.05,
+            "zero": {"stage": 2, "timeout_s": 10},
+            "compression": {"type": "onebit", "warmup_steps": 1},
+        },
+    )
+    present, branch, norms = [], [], []
+    for step, (x, y) in enumerate(branch_batches()[comm.rank]):
+        takes_branch = comm.rank == 0 and step < 2
+        engine.backward(engine(x, y, takes_branch))
+        sums = {"present": 0.0, "branch": 0.0}
+        for layout in engine.params.trainable_layouts():
+            shard = layout.chunks[GRAD_SHARD]
+            span = engine.states.state_span(layout)
+            for slot, lo, hi in owned_pieces(layout, span, with_grads_only=False):
+                square = float(shard.span(slot, lo, hi).double().square().sum())
+                in_branch = slot.name.startswith("branch.")
+                sums["branch" if in_branch else "present"] += square
+                if in_branch and step < 2:
+                    sums["present"] += square
+        engine.step()
+        present.append(sums["present"])
+        branch.append(sums["branch"])
+        norms.append(engine.last_grad_norm)
+    return {"present": present, "branch": branch, "norms": norms}
+
+
+def test_the_norm_counts_only_parameters_the_update_steps_under_error_feedback() -> None:
+    """A parameter no rank gave a gradient is skipped by the update, but 1-bit's error
+    feedback still sends its residual, so its reduced shard is not zero: the norm (and so
+    clipping) counts the parameters some rank gave a gradient, as the update does."""
+    ranks = run_threads(error_feedback_rank, 2)
+    branch_left = [sum(r["branch"][step] for r in ranks) for step in (2, 3)]
+    assert min(branch_left) > 0, "the residual reaches the unused branch's shard"
+    for step in range(4):
+        expected = math.sqrt(sum(r["present"][step] for r in ranks)) / 2
+        for rank, result in enumerate(ranks):
+            assert result["norms"][step] == pytest.approx(expected, rel=1e-5), (rank, step)
 
 
 def carried_gathers(comm) -> dict:

@@ -329,8 +329,6 @@ class ReduceScatterGrads(GradReducer):
         self._retire(keep=0)
 
     # ------------------------------------------------------------------ the step
-    sums_across_ranks = True
-
     def presence_votes(self) -> torch.Tensor:
         slots = self.params.slots.values()
         return torch.tensor([float(s.has_grad) for s in slots], dtype=torch.float64)

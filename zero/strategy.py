@@ -131,7 +131,8 @@ class ZeroSharding(Sharding):
 class ZeroShardingCosts(ShardingCosts):
     """:class:`ZeroSharding`'s costs: a rank keeps ``1/n`` of every layout's optimizer states,
     of its gradients from stage 2 and of its parameters at stage 3; the step all-reduces the
-    squared gradient norm and the reducer's presence votes (fp64) in one collective."""
+    reducer's presence votes with each parameter's squared gradient norm (fp64) in one
+    collective."""
 
     sharded = True
 
@@ -150,11 +151,12 @@ class ZeroShardingCosts(ShardingCosts):
         return self.world_size if self.stage >= 2 else 1
 
     def step_traffic(self, votes: int) -> list[Traffic]:
+        if not votes:  # gradients stay on their rank: the norm is local
+            return []
         topology = self.topology
+        numel = 2 * votes  # the votes and a squared norm per parameter
         return [
-            collective_traffic(
-                "all_reduce", votes + 1, 8, topology, topology.world, Phase.STEP.value
-            )
+            collective_traffic("all_reduce", numel, 8, topology, topology.world, Phase.STEP.value)
         ]
 
 
