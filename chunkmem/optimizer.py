@@ -348,21 +348,24 @@ class ChunkAdam:
 
     def _grad_norms(self, every_slot: bool) -> list[tuple[TensorSlot, torch.Tensor]]:
         """(parameter, fp32 norm) of each piece of a gradient this rank's update reads: of
-        parameters with a gradient here, or ``every_slot``."""
+        parameters with a gradient here, or ``every_slot``; in the pieces' order, as a serial
+        step measures them, where an early update measured some."""
         measured: list[tuple[TensorSlot, torch.Tensor]] = []
         for layout in self.params.trainable_layouts():
             pieces = owned_pieces(
                 layout, self.states.state_span(layout), with_grads_only=not every_slot
             )
             early = self.launched.get(layout.index)
+            taken: dict[int, torch.Tensor] = {}
             if early is not None:  # taken before its update consumed the gradients
                 early.wait()
-                measured.extend(
-                    zip((s for s, _lo, _hi in early.pieces), early.grad_norms, strict=True)
-                )
-                pieces = [p for p in pieces if id(p[0]) not in early.slot_ids]
-            norms = self._piece_norms(pieces)
-            measured.extend(zip((s for s, _lo, _hi in pieces), norms, strict=True))
+                taken = dict(zip((id(s) for s, _lo, _hi in early.pieces), early.grad_norms,
+                                 strict=True))  # fmt: skip
+            # Gradients that arrived after the early start are measured now.
+            rest = iter(self._piece_norms([p for p in pieces if id(p[0]) not in taken]))
+            measured.extend(
+                (s, taken[id(s)] if id(s) in taken else next(rest)) for s, _lo, _hi in pieces
+            )
         return measured
 
     def _piece_norms(self, pieces: list[Piece]) -> list[torch.Tensor]:

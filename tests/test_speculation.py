@@ -179,6 +179,47 @@ def _failing_take(snapshot: speculation.Snapshot) -> None:
     raise RuntimeError("an early update failed before its copies")
 
 
+class LateBranch(torch.nn.Module):
+    """A branch on the input, so backward reaches it last: on a step that takes it (none
+    before), its gradient arrives after its layout's expected gradients began the early
+    update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branch = torch.nn.Linear(16, 16)
+        self.first = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+        self.take_branch = False
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.take_branch:
+            x = x + torch.tanh(self.branch(x))
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.first(x))), y)
+
+
+@pytest.mark.parametrize("kind", ["clip", "skip"])
+def test_a_gradient_after_the_early_start_counts_in_the_norm(kind, tmp_path) -> None:
+    """The branch's gradient reaches a layout whose update began early; the step updates it
+    and the norm measures it, in the serial step's order: norms and states bit for bit."""
+    data = batches(6, rows=8)
+    runs, engines = {}, {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = LateBranch()
+        engine = initialize(
+            model, device=DEVICE, offload=offload_for("host", overlap, tmp_path), **recipe(kind)
+        )
+        out = []
+        for step, (x, y) in enumerate(data):
+            model.take_branch = step >= 3
+            engine.backward(engine(x, y))
+            engine.step()
+            out.append((0.0, True, engine.last_grad_norm, engine.state_dict()))
+        runs[overlap], engines[overlap] = out, engine
+    assert engines[True].optimizer.speculation.commits > 0, "updates began early"
+    same_steps(runs[True], runs[False])
+
+
 def _raise_late(grad: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("late failure in backward")
 
