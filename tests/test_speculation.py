@@ -212,9 +212,10 @@ def test_a_gradient_after_the_early_start_counts_in_the_norm(kind, tmp_path) -> 
         out = []
         for step, (x, y) in enumerate(data):
             model.take_branch = step >= 3
-            engine.backward(engine(x, y))
-            engine.step()
-            out.append((0.0, True, engine.last_grad_norm, engine.state_dict()))
+            loss = engine(x, y)
+            engine.backward(loss)
+            taken = engine.step()
+            out.append((float(loss.detach()), taken, engine.last_grad_norm, engine.state_dict()))
         runs[overlap], engines[overlap] = out, engine
     assert engines[True].optimizer.speculation.commits > 0, "updates began early"
     same_steps(runs[True], runs[False])

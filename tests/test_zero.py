@@ -342,24 +342,29 @@ def test_a_device_of_the_steady_peak_plus_ten_percent_trains_from_step_one() -> 
         assert result["losses"] == roomy[rank]["losses"], "placement never changes a value"
 
 
-def branch_rank(comm, stage: int, clipping: float = 0.0) -> dict:
-    """A unit whose second layer only rank 0's batch uses (data decides the branch): its
-    gradients exist on one rank only, from the first iteration on. The state, each step's
-    norm and each step's all-reduce calls (the ledger's)."""
+def branch_engine(comm, stage: int, **config):
+    """An engine on :class:`Branchy`, its parameters the same on every rank."""
     with one_rank_at_a_time(comm):
         torch.manual_seed(0)
         model = Branchy()
-    engine = chunkmem.initialize(
+    return chunkmem.initialize(
         model,
         comm=comm,
         config={
             "device": {"type": "simulated", "capacity": "16MiB"},
             "chunk": {"size": 256},
             "optimizer": {"lr": 1e-2},
-            "gradient_clipping": clipping,
             "zero": {"stage": stage, "timeout_s": 10},
+            **config,
         },
     )
+
+
+def branch_rank(comm, stage: int, clipping: float = 0.0) -> dict:
+    """A unit whose second layer only rank 0's batch uses (data decides the branch): its
+    gradients exist on one rank only, from the first iteration on. The state, each step's
+    norm and each step's all-reduce calls (the ledger's)."""
+    engine = branch_engine(comm, stage, gradient_clipping=clipping)
     norms = []
     for x, y in branch_batches()[comm.rank]:
         engine.backward(engine(x, y, comm.rank == 0))
@@ -461,20 +466,8 @@ def error_feedback_rank(comm) -> dict:
     no rank in the last two. Per step, this rank's squared sums of its reduced gradient shard
     (read before the step) over the parameters some rank gave a gradient and over the
     branch, and the engine's norm."""
-    with one_rank_at_a_time(comm):
-        torch.manual_seed(0)
-        model = Branchy()
-    engine = chunkmem.initialize(
-        model,
-        comm=comm,
-        config={
-            "device": {"type": "simulated", "capacity": "16MiB"},
-            "chunk": {"size": 256},
-            "optimizer": {"lr": 1e-2},
-            "gradient_clipping": 0.05,
-            "zero": {"stage": 2, "timeout_s": 10},
-            "compression": {"type": "onebit", "warmup_steps": 1},
-        },
+    engine = branch_engine(
+        comm, 2, gradient_clipping=0.05, compression={"type": "onebit", "warmup_steps": 1}
     )
     present, branch, norms = [], [], []
     for step, (x, y) in enumerate(branch_batches()[comm.rank]):
