@@ -359,8 +359,8 @@ class ChunkAdam:
             taken: dict[int, torch.Tensor] = {}
             if early is not None:  # taken before its update consumed the gradients
                 early.wait()
-                pairs = zip(early.pieces, early.grad_norms, strict=True)
-                taken = {id(slot): norm for (slot, _lo, _hi), norm in pairs}
+                taken = dict(zip((id(s) for s, _lo, _hi in early.pieces), early.grad_norms,
+                                 strict=True))  # fmt: skip
             # Gradients that arrived after the early start are measured now.
             rest = iter(self._piece_norms([p for p in pieces if id(p[0]) not in taken]))
             measured.extend(
