@@ -1,7 +1,11 @@
 """Which parameter lives where: registration, first-use packing, each layout's chunks.
 
 Parameters are packed lazily, in the order they are first accessed, so packing order is
-execution order without a separate tracing pass. A new layout gets its parameter chunk (this
+execution order without a separate tracing pass. Across ranks (ZeRO) every rank must pack
+alike, and a first forward may take another path on each (a branch its data decides): there
+a parameter's first use packs, in registration order, every parameter registered before it
+that is not packed yet, so every rank packs in registration order whatever its forward
+touches. A new layout gets its parameter chunk (this
 rank's span of it), a compute chunk when that is another kind (a ZeRO-3 gathered copy), and an
 fp32 master chunk for the span whose optimizer states this rank holds.
 """
@@ -120,7 +124,16 @@ class ParamStore:
             self.pack(param, tier)
 
     def pack(self, param: torch.nn.Parameter, tier: StorageTier) -> TensorSlot:
-        """Give ``param`` its slot, copy its value into the chunks and bind it."""
+        """Give ``param`` its slot, copy its value into the chunks and bind it; across ranks,
+        those registered before it first (see the module's docstring)."""
+        if self.sharding.world_size > 1:
+            for key, (_name, earlier) in list(self.pending.items()):
+                if key == id(param):
+                    break
+                self._pack_one(earlier, tier)
+        return self._pack_one(param, tier)
+
+    def _pack_one(self, param: torch.nn.Parameter, tier: StorageTier) -> TensorSlot:
         name, _param = self.pending.pop(id(param))
         original = param.detach()
         slot, layout, created = self._packers[param.requires_grad].place(name, param)
