@@ -13,22 +13,29 @@ falling from 25% over 20% of the steps), on Adam after the same 20% exact warm-u
 variance frozen; `auto` with the 20% warm-up (its judge times it). At
 1 Gbit/s the ablations `onebit-ef-only` (no warm-up, no frozen variance) and
 `powersgd-one-ring` (ZeRO-2's gather of updated shards over one ring, not in two levels: what
-`zero.step_gather_two_level` is worth to the comparison with torch's hook) run too (not in
-`--quick`). At
+`zero.step_gather_two_level` is worth to the comparison with torch's hook) and
+`powersgd-gather-at-step` (the step waits for that gather before it returns, not the next
+forward: what `zero.overlap_step_gather`, on in every other ZeRO-2 run, is worth) run too (not
+in `--quick`). At
 1 Gbit/s torch DDP with `powerSGD_hook` (rank 4, fp32 parameters under bf16 autocast, clipping
 1.0, AdamW) trains the same model on the same batches, and ZeRO-3 and host offload run once per
-method (reported, not judged). The judged runs of a rate train side by side, step by step (step
-i of every run before step i + 1 of any, each timed alone between barriers): their times are
-paired against the shared machine's drift, which made two identical runs one after another
-differ by up to 11%.
+method (reported, not judged). The judged runs of a rate train side by side, block by block:
+a block of 10 steps (3 in `--quick`) of every run before the next block of any, each block
+timed alone between barriers, with anything a run left in flight waited for inside its block
+(`engine.wait_for_parameters()`), and each of its steps given the block's mean time. Their
+times are paired against the shared machine's drift, which made two identical runs one after
+another differ by up to 11%; blocks of steps in a row, not single steps, so that what one
+step hands to the next (the step's gather finishing under the next forward) counts as it does
+in training.
 
 Keys (the issue's): `wire_bytes_ratio_vs_uncompressed_<method>` (bytes rank 0 sends per
 step, every collective, from the communicator's ledger), `time_to_loss_ratio_vs_uncompressed_
 <method>` (at 1 Gbit/s, wall time until the 10-step moving average of the loss reaches the
 uncompressed run's at its last step; compressed runs may take 50% more steps to get there; null
 when they do not), `final_loss_rel_diff_vs_uncompressed_<method>` (the mean of the last 10
-steps' losses), `powersgd_time_to_loss_ratio_vs_torch_hook` (and its ablation
-`powersgd_one_ring_time_to_loss_ratio_vs_torch_hook`), `auto_time_ratio_vs_best_fixed_<rate>` (auto's
+steps' losses), `powersgd_time_to_loss_ratio_vs_torch_hook` (and its ablations
+`powersgd_one_ring_time_to_loss_ratio_vs_torch_hook` and
+`powersgd_gather_at_step_time_to_loss_ratio_vs_torch_hook`), `auto_time_ratio_vs_best_fixed_<rate>` (auto's
 time to loss, its link probe at initialize included, over the best fixed choice's at that
 rate, `none` included; `auto_time_ratio_vs_best_fixed` is the larger of the two) and
 `auto_choice_<rate>`.
@@ -61,25 +68,26 @@ METHODS = ("none", "onebit", "terngrad", "powersgd", "dgc")
 AUTO = "auto"
 ABLATION = "onebit-ef-only"
 ONE_RING = "powersgd-one-ring"  # ZeRO-2's step gather over one ring, not in two levels
+GATHER_AT_STEP = "powersgd-gather-at-step"  # the step waits for its gather (no overlap)
 WARMUP_FRACTION = {"onebit": 0.2, "powersgd": 0.1, "dgc": 0.2, AUTO: 0.2}
 DGC_SPARSITY_WARMUP_FRACTION = 0.2  # of the steps, after the exact warm-up
 RATES = ("1gbit", "10gbit")
 TORCH_HOOK = "ddp_powersgd_hook"
 MODEL = {"vocab_size": 256, "block_size": 64, "n_layer": 4, "n_embd": 128, "n_head": 2}
 FULL = {"steps": 200, "extra_fraction": 0.5, "local_batch": 8, "seq": 64, "lr": 1e-3,
-        "rates": ["1gbit", "10gbit"], "extras": True, "window": 10}  # fmt: skip
+        "rates": ["1gbit", "10gbit"], "extras": True, "window": 10, "block": 10}  # fmt: skip
 QUICK = {"steps": 6, "extra_fraction": 0.5, "local_batch": 8, "seq": 64, "lr": 1e-3,
-         "rates": ["1gbit"], "extras": False, "window": 3}  # fmt: skip
+         "rates": ["1gbit"], "extras": False, "window": 3, "block": 3}  # fmt: skip
 BF16_AT_SPEED_MAX_RATIO = 2.0  # as benchmarks.zeropp's convergence
 FIRST_REPORT_S = 300.0  # a rank imports torch and builds its engine before its first step
 
 
 # ---------------------------------------------------------------- a rank
 def _worker(spec_path: str) -> None:
-    """One rank: the judged runs of the spec interleaved step by step (each step of each run
-    in turn, so that a slow spell of the shared machine falls on all of them alike and their
-    time ratios are paired), then the reported runs one after another; rank 0 appends a line
-    to ``progress`` after every step (the launcher's watchdog reads it)."""
+    """One rank: the judged runs of the spec interleaved block by block (each block of steps
+    of each run in turn, so that a slow spell of the shared machine falls on all of them alike
+    and their time ratios are paired), then the reported runs one after another; rank 0
+    appends a line to ``progress`` after every block (the launcher's watchdog reads it)."""
     import torch
     import torch.distributed as dist
 
@@ -104,35 +112,42 @@ def _worker(spec_path: str) -> None:
 def _train_interleaved(
     spec: dict, runs: list[dict], batches, progress: Path, rank: int
 ) -> dict[str, Any]:
-    """Every run's steps, step ``i`` of each run before step ``i + 1`` of any; a run that is
-    done drops out. Each step is timed alone, between barriers."""
+    """Every run's steps, block ``b`` of each run before block ``b + 1`` of any; a run that
+    is done drops out. Each block is timed alone, between barriers, and what the run left in
+    flight is waited for inside it; each of its steps is given the block's mean time."""
     import torch.distributed as dist
 
-    trainers, engines = {}, {}
+    trainers, settles = {}, {}
+    engines = {}
     for run in runs:
         if run["name"] == TORCH_HOOK:
-            trainers[run["name"]] = _ddp_trainer(spec)
+            trainers[run["name"]], settles[run["name"]] = _ddp_trainer(spec), _nothing
         else:
-            engines[run["name"]], trainers[run["name"]] = _engine_trainer(spec, run)
+            engine, trainers[run["name"]] = _engine_trainer(spec, run)
+            engines[run["name"]], settles[run["name"]] = engine, engine.wait_for_parameters
     record: dict[str, dict[str, list]] = {
         run["name"]: {"step_s": [], "losses": [], "bytes_sent": []} for run in runs
     }
-    for step in range(max(run["steps"] for run in runs)):
-        x, y = batches(step)
+    block = spec["block"]
+    for first in range(0, max(run["steps"] for run in runs), block):
         for run in runs:
-            if step >= run["steps"]:
+            steps = range(first, min(first + block, run["steps"]))
+            if not steps:
                 continue
             name = run["name"]
             dist.barrier()
             started = time.perf_counter()
-            loss, nbytes = trainers[name](x, y, step)
+            for step in steps:
+                loss, nbytes = trainers[name](*batches(step), step)
+                record[name]["losses"].append(loss)
+                record[name]["bytes_sent"].append(nbytes)
+            settles[name]()
             dist.barrier()
-            record[name]["step_s"].append(time.perf_counter() - started)
-            record[name]["losses"].append(loss)
-            record[name]["bytes_sent"].append(nbytes)
+            mean = (time.perf_counter() - started) / len(steps)
+            record[name]["step_s"].extend([mean] * len(steps))
             if rank == 0:
                 with progress.open("a") as f:
-                    f.write(f"{name} step {step} {record[name]['step_s'][-1]:.4f} s\n")
+                    f.write(f"{name} steps {first}-{steps[-1]} {mean:.4f} s/step\n")
     zeros = {op: 0 for op in ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")}
     results: dict[str, Any] = {}
     for run in runs:
@@ -143,6 +158,10 @@ def _train_interleaved(
         if engine is not None and run["compression"]["type"] == AUTO:
             results[name]["auto"] = engine.run_summary().compression["auto"]
     return results
+
+
+def _nothing() -> None:
+    """What torch DDP leaves in flight after its step: nothing."""
 
 
 def _model():
@@ -167,6 +186,7 @@ def _engine_trainer(spec: dict, run: dict):
             "timeout_s": 600,
             "node_size": PER_NODE,
             "step_gather_two_level": not run.get("one_ring", False),
+            "overlap_step_gather": run["stage"] == 2 and not run.get("gather_at_step", False),
         },
         "compression": run["compression"],
     }
@@ -249,6 +269,7 @@ def _runs(setup: dict, rate: str) -> list[dict[str, Any]]:
             runs.append({"name": ABLATION, "compression": {"type": "onebit"}, "stage": 2,
                          "steps": longer})  # fmt: skip
             runs.append(run(ONE_RING, "powersgd", longer, one_ring=True))
+            runs.append(run(GATHER_AT_STEP, "powersgd", longer, gather_at_step=True))
     for judged in runs:  # the runs whose times are compared: step by step, side by side
         judged["interleaved"] = True
     if rate == "1gbit" and setup["extras"]:
@@ -339,6 +360,10 @@ def metrics(details: dict[str, Any]) -> dict[str, Any]:
     if TORCH_HOOK in slow and ONE_RING in slow:  # the ablation: the step's gather in one ring
         out["powersgd_one_ring_time_to_loss_ratio_vs_torch_hook"] = _ratio(
             slow[ONE_RING]["time_to_loss_s"], slow[TORCH_HOOK]["time_to_loss_s"]
+        )
+    if TORCH_HOOK in slow and GATHER_AT_STEP in slow:  # the ablation: no overlapped gather
+        out["powersgd_gather_at_step_time_to_loss_ratio_vs_torch_hook"] = _ratio(
+            slow[GATHER_AT_STEP]["time_to_loss_s"], slow[TORCH_HOOK]["time_to_loss_s"]
         )
     out.update(auto_metrics(details))
     return out
@@ -444,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise Skipped(why)
             spec = {"runs": _runs(setup, rate), "local_batch": setup["local_batch"],
                     "seq": setup["seq"], "lr": setup["lr"], "precision": precision,
+                    "block": setup["block"],
                     "powersgd_warmup": compression_for("powersgd", setup["steps"])
                     ["warmup_steps"]}  # fmt: skip
             with Cluster() as cluster:

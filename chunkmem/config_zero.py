@@ -75,6 +75,17 @@ class ZeroConfig(Section):
         "nodes + 1 collectives where a ring is one. The same parameters bit for bit. false: "
         "one all-gather over the world (the ablation).",
     )
+    overlap_step_gather: bool = Field(
+        False,
+        description="Stages 1-2: the step returns with its all-gathers of updated parameter "
+        "shards still in flight (issued on every rank, not yet waited for); each layout's "
+        "gather is waited for where the next forward first reads the layout, so the last "
+        "layouts' gathers overlap the first layouts' forward (Megatron's "
+        "overlap_param_gather). Until then a parameter's memory is being written: read "
+        "parameters between step() and the next forward through the engine (state_dict, "
+        "checkpoints) or after engine.wait_for_parameters(). false: the step waits for "
+        "every gather before it returns.",
+    )
     hpz_partition_size: int = Field(
         1,
         ge=1,
@@ -107,6 +118,13 @@ class ZeroConfig(Section):
                     f"zero.{key} gathers stage-3 parameters; it needs zero.stage 3, got "
                     f"stage {self.stage}"
                 )
+        if self.overlap_step_gather and self.stage not in (1, 2):
+            raise ValueError(
+                "zero.overlap_step_gather carries stages 1-2's gathers of updated shards into "
+                f"the next forward; it needs zero.stage 1 or 2, got stage {self.stage} "
+                "(stage 3 gathers for compute and already gathers ahead across the step; "
+                "stage 0 gathers nothing)"
+            )
         if self.quantized_gradients is not False and self.stage == 0:
             raise ValueError(
                 "zero.quantized_gradients reduces gradients across ranks; it needs "

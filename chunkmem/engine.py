@@ -241,6 +241,7 @@ class Engine:
         final = self.micro_steps + 1 == self.config.gradient_accumulation_steps
         self.optimizer.loss_scale = self.scaler.scale  # what an early update divides by
         try:
+            self.gatherer.settle()  # no gather of the last step outlives its forward
             self.reducer.begin_backward(final_micro_batch=final)
             self.grads.accepting = True
             self.grads.stored_in_backward = 0
@@ -406,12 +407,20 @@ class Engine:
             )
 
     # ---------------------------------------------------------------- state
+    def wait_for_parameters(self) -> None:
+        """Wait until every parameter holds the last step's value. Only needed with
+        ``zero.overlap_step_gather``, to read the module's parameter tensors themselves
+        between ``step()`` and the next forward (the engine's own readers wait already)."""
+        with self._stop_on_collective_failure():
+            self.gatherer.settle()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state dict on the CPU: fp32 values of trainable parameters, buffers.
 
         Keys are those of ``module.state_dict()`` (tied parameters appear under each name).
         Under ZeRO the shards are gathered, so every rank must call it.
         """
+        self.wait_for_parameters()
         return engine_state.state_dict(self)
 
     def save_checkpoint(self, directory: str | Path, client_state: Any = None) -> Path:
@@ -478,6 +487,7 @@ class Engine:
             return
         try:
             if self.phase is not EnginePhase.STOPPED:
+                self.wait_for_parameters()
                 engine_state.restore_parameters(self)
         finally:
             self._closed = True

@@ -31,6 +31,7 @@ def save_checkpoint(engine: Engine, directory: str | Path, client_state: Any) ->
     engine._check_between_steps("save_checkpoint")
     from chunkmem.checkpoint import save_checkpoint as save  # DCP is imported when first used
 
+    engine.wait_for_parameters()
     with engine._stop_on_collective_failure():
         return save(engine, directory, client_state)
 
@@ -40,6 +41,7 @@ def load_checkpoint(engine: Engine, directory: str | Path) -> Any:
     engine._check_between_steps("load_checkpoint")
     from chunkmem.checkpoint import prepare_load
 
+    engine.wait_for_parameters()
     with engine._stop_on_collective_failure():
         load = prepare_load(engine, directory)
         try:

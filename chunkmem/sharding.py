@@ -132,6 +132,10 @@ class ParamGatherer:
     def finish_step(self) -> None:
         """Wait for what ``after_update`` started; every rank calls it after the step."""
 
+    def settle(self) -> None:
+        """Wait for what the last step left in flight (``zero.overlap_step_gather``): before
+        backward, and before anything reads or writes the whole model."""
+
     def end_cycle(self) -> None:
         """The parameters changed: copies built from the old values are stale."""
 

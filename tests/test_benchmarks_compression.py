@@ -4,6 +4,7 @@ made-up runs (the benchmark itself needs root for its network namespaces)."""
 from __future__ import annotations
 
 from benchmarks.compression import (
+    GATHER_AT_STEP,
     METHODS,
     ONE_RING,
     TORCH_HOOK,
@@ -30,7 +31,8 @@ def test_time_to_loss_counts_the_steps_until_the_smoothed_loss_reaches_the_targe
 
 def test_metrics_are_the_issue_s_keys_as_ratios_to_the_uncompressed_run() -> None:
     none = {"bytes_sent_per_step": 100, "time_to_loss_s": 10.0, "final_loss": 2.0}
-    slow = {"none": none, TORCH_HOOK: {"time_to_loss_s": 5.0}, ONE_RING: {"time_to_loss_s": 25.0}}
+    slow = {"none": none, TORCH_HOOK: {"time_to_loss_s": 5.0}, ONE_RING: {"time_to_loss_s": 25.0},
+            GATHER_AT_STEP: {"time_to_loss_s": 30.0}}  # fmt: skip
     for index, method in enumerate(METHODS[1:]):
         slow[method] = {
             "bytes_sent_per_step": 10 * (index + 1),
@@ -44,6 +46,7 @@ def test_metrics_are_the_issue_s_keys_as_ratios_to_the_uncompressed_run() -> Non
     assert abs(out["final_loss_rel_diff_vs_uncompressed_powersgd"] - 0.1) < 1e-12
     assert out["powersgd_time_to_loss_ratio_vs_torch_hook"] == 4.0
     assert out["powersgd_one_ring_time_to_loss_ratio_vs_torch_hook"] == 5.0
+    assert out["powersgd_gather_at_step_time_to_loss_ratio_vs_torch_hook"] == 6.0
     assert "auto_time_ratio_vs_best_fixed" not in out
 
 
@@ -92,8 +95,10 @@ def test_the_judged_runs_train_side_by_side_and_the_reported_ones_alone() -> Non
     judged = [run["name"] for run in runs if run.get("interleaved")]
     assert judged == [
         "none", "onebit", "terngrad", "powersgd", "dgc", "auto", "ddp_powersgd_hook",
-        "onebit-ef-only", "powersgd-one-ring",
+        "onebit-ef-only", "powersgd-one-ring", "powersgd-gather-at-step",
     ]  # fmt: skip
+    at_step = next(run for run in runs if run["name"] == GATHER_AT_STEP)
+    assert at_step["gather_at_step"] and at_step["compression"]["type"] == "powersgd"
     one_ring = next(run for run in runs if run["name"] == "powersgd-one-ring")
     assert one_ring["one_ring"] and one_ring["compression"] == compression_for("powersgd", 200)
     alone = [run["name"] for run in runs if not run.get("interleaved")]

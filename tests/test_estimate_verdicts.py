@@ -195,6 +195,8 @@ NOT_NEEDED = {
         "values sent, not their number of bytes",
     ),
     "zero.timeout_s": "a deadline",
+    "zero.overlap_step_gather": "when the step's gathers are waited for, not their bytes: "
+    "in place, in the chunk, as without it",
     "offload.optimizer_threads": "threads, not bytes",
     "report.formats": "the report's files",
     "report.max_move_events": "the report's event list, host memory outside the ledger",

@@ -168,13 +168,29 @@ class AllOf:
 
 
 class GatherUpdatedShards(ParamGatherer):
-    """Stages 1-2: all-gather each layout's updated shard into its whole parameter chunk."""
+    """Stages 1-2: all-gather each layout's updated shard into its whole parameter chunk.
 
-    def __init__(self, residency: Residency, sharding: Sharding, all_gather: AllGather) -> None:
+    ``carry_over_step`` (``zero.overlap_step_gather``): the step issues every gather but
+    waits for none; each stays the chunk's ``arriving``, which the next forward's access
+    waits for (``Residency.ready``), so the last layouts' gathers overlap the first layouts'
+    forward. The carried chunks are not pinned: whatever moves or writes a chunk waits for
+    its gather first. ``settle`` waits for the rest; the engine calls it before backward
+    and before anything reads the whole model, so no gather outlives the next forward.
+    """
+
+    def __init__(
+        self,
+        residency: Residency,
+        sharding: Sharding,
+        all_gather: AllGather,
+        carry_over_step: bool = False,
+    ) -> None:
         self.residency = residency
         self.sharding = sharding
         self._all_gather = all_gather
+        self.carry_over_step = carry_over_step
         self._gathering: list[Chunk] = []  # pinned until they arrived
+        self._carried: list[Chunk] = []  # issued by the last step, waited for by their reader
 
     def after_update(self, layout: ChunkLayout) -> None:
         param = layout.chunks[ChunkKind.PARAM]
@@ -192,16 +208,39 @@ class GatherUpdatedShards(ParamGatherer):
         param.arriving = self._all_gather(param.payload[start : start + numel], param.payload, True)
 
     def finish_step(self) -> None:
-        """Wait for every gather the step launched; all are unpinned whatever waiting raises."""
+        """Wait for every gather the step launched; or (``carry_over_step``) issue the last
+        one's second level, so that every rank has issued all of them at this point of its
+        program, and leave them to their readers. All are unpinned whatever raises."""
+        gathering, self._gathering = self._gathering, []
+        try:
+            if not self.carry_over_step:
+                _await_all(self.residency, gathering)
+                return
+            self._carried = gathering  # cancel's to wait for, should issuing fail
+            last = gathering[-1].arriving if gathering else None
+            if isinstance(last, Chained):
+                last.advance()
+        finally:
+            _unpin(gathering)
+
+    def settle(self) -> None:
+        """Wait for the gathers the last step carried over that no reader waited for yet."""
+        carried, self._carried = self._carried, []
+        _await_all(self.residency, carried)
+
+    def cancel(self) -> None:
+        """Wait for every gather in flight, this step's and the last one's."""
         gathering, self._gathering = self._gathering, []
         try:
             _await_all(self.residency, gathering)
         finally:
-            for param in gathering:
-                param.unpin()
+            _unpin(gathering)
+            self.settle()
 
-    def cancel(self) -> None:
-        self.finish_step()
+
+def _unpin(chunks: list[Chunk]) -> None:
+    for chunk in chunks:
+        chunk.unpin()
 
 
 class GatherUpdatedShardsCosts(GathererCosts):

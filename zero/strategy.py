@@ -173,6 +173,7 @@ class ZeroChoice:
     hpz_partition_size: int
     weights_two_level: bool
     step_gather_two_level: bool
+    overlap_step_gather: bool
 
     @classmethod
     def of(cls, config: ZeroConfig) -> ZeroChoice:
@@ -185,6 +186,7 @@ class ZeroChoice:
             config.hpz_partition_size,
             config.quantized_weights_two_level,
             config.step_gather_two_level,
+            config.overlap_step_gather,
         )
 
     def two_level_weights(self, topology: Topology) -> bool:
@@ -313,7 +315,9 @@ class ZeroStrategy(Strategy):
     def gatherer(self, residency: Residency) -> ParamGatherer:
         choice = self.choice
         if not choice.gathers_for_compute:
-            return GatherUpdatedShards(residency, self.sharding, self._step_gather)
+            return GatherUpdatedShards(
+                residency, self.sharding, self._step_gather, choice.overlap_step_gather
+            )
         weights: WeightGather = ExactAllGather(self.comm)
         if choice.weight_bits:
             weights = QuantizedAllGather(
