@@ -188,6 +188,10 @@ class ExpectedGradients:
             return True
         return self.learned and self._expected.get(layout.index, set()) <= stored
 
+    def all_in(self, layout: ChunkLayout) -> bool:
+        """Every slot of ``layout`` got its gradient in this backward."""
+        return len(self._stored.get(layout.index, ())) == len(layout.slots)
+
     def learn(self) -> None:
         self._expected = {index: set(stored) for index, stored in self._stored.items()}
 

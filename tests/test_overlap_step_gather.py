@@ -12,7 +12,7 @@ import chunkmem
 from chunkmem.chunk import ChunkKind
 from chunkmem.errors import ConfigError
 from tests.distributed_helpers import run_threads
-from tests.test_packing_across_ranks import small_engine
+from tests.test_ranks_taking_different_paths import small_engine
 
 STEPS = 4
 WORLD = 4

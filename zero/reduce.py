@@ -1,11 +1,27 @@
 """ZeRO gradient reduction: each layout's gradient chunk reduce-scattered into this rank's shard.
 
-Stage 1 reduces every layout before the step; stages 2-3 reduce a layout as soon as its
-gradients are in (every slot's, or, once a cycle has been seen, every slot's that got one
-then: ``chunkmem.sharding.ExpectedGradients``), from the first cycle on, overlapping backward, with at most
+Stage 1 reduces every layout before the step; stages 2-3 reduce a layout as soon as every
+one of its slots has its gradient, from the first cycle on, overlapping backward, with at most
 ``MAX_REDUCTIONS_IN_FLIGHT`` running and completed oldest first, so each whole gradient chunk is
 freed as backward goes. Every rank reduces the trainable layouts in one order (last packed
-first, the order backward finishes them), so collectives always match across ranks.
+first, the order backward finishes them), so collectives always match across ranks; see
+[Note: reductions when ranks take different paths].
+
+[Note: reductions when ranks take different paths]
+A rank's data may decide which parameters get a gradient (a branch, an expert no token was
+routed to), so what one rank's backward reaches another's may not. Every rank still issues
+the same reductions in the same order, because the decisions use only what all ranks know:
+- In backward a rank reduces the longest run, in reduction order, of layouts whose every slot
+  has its gradient here; at the end of backward it reduces the rest in that order. A rank
+  that is missing a gradient only reduces later, never other layouts.
+- A layout with a parameter that no rank gave a gradient in the last step (the step's
+  all-reduce of presence votes says so on every rank alike: a pooler a loss never reaches)
+  would stop that run on every rank, every step: it is left out of the run and reduced after
+  all the others, at the end of backward.
+- So a gradient cannot arrive after its layout was reduced (a rank waits for every slot),
+  unless one parameter takes two gradients in one backward (reentrant checkpointing); its
+  layout is reduced again and added, which matches across ranks where every rank's backward
+  does the same (it does for a model whose structure does not depend on its data).
 
 A reduction in flight is a :class:`Reduction`: it owns the pins on its two chunks and its
 scratch buffer, and ``complete`` and ``cancel`` release them through one path, whatever
@@ -222,6 +238,8 @@ class ReduceScatterGrads(GradReducer):
         self.overlap = overlap
         self._launched: set[int] = set()  # layouts reduced in this accumulation window
         self._in_flight: dict[int, Reduction] = {}  # launch order
+        # Layouts with a parameter no rank gave a gradient in the last step: reduced last.
+        self._idle: set[int] = set()
 
     def grad_source(self, slot: TensorSlot) -> Chunk:
         return slot.layout.chunks[GRAD_SHARD]
@@ -242,15 +260,16 @@ class ReduceScatterGrads(GradReducer):
 
     def stored(self, slot: TensorSlot) -> None:
         """Launch reduce-scatters for the longest run, in reduction order, of layouts whose
-        expected gradients are all in (the overlap with backward)."""
+        every gradient is in, idle ones left out (the overlap with backward; see [Note:
+        reductions when ranks take different paths])."""
         if not (self.overlap and self._final_micro_batch):
             return
         arrived = self._arrived
         arrived.add(slot)
         for layout in self._order():
-            if layout.index in self._launched:
+            if layout.index in self._launched or layout.index in self._idle:
                 continue
-            if not arrived.complete(layout):
+            if not arrived.all_in(layout):
                 return
             self._launch(layout)
             self._retire(keep=MAX_REDUCTIONS_IN_FLIGHT)
@@ -258,7 +277,6 @@ class ReduceScatterGrads(GradReducer):
     def finish_backward(self) -> None:
         if self.overlap and self._final_micro_batch:
             self._reduce_remaining()
-            self._arrived.learn()
 
     def before_step(self) -> None:
         if not self.overlap:
@@ -305,7 +323,8 @@ class ReduceScatterGrads(GradReducer):
             self._complete(index)
 
     def _reduce_remaining(self) -> None:
-        """Reduce every trainable layout not reduced yet, in reduction order, then wait.
+        """Reduce every trainable layout not reduced yet, in reduction order, the idle ones
+        last, then wait.
 
         All of them, with gradients or not, on every rank: a rank that skipped a layout its
         peers reduce would leave them waiting. Gradients that arrived after their layout was
@@ -313,7 +332,9 @@ class ReduceScatterGrads(GradReducer):
         as in backward, so the scratch of reductions that need some (qgZ's wire buffers) stays
         a few layouts' worth.
         """
-        for layout in self._order():
+        order = self._order()
+        idle = [layout for layout in order if layout.index in self._idle]
+        for layout in [*(lo for lo in order if lo.index not in self._idle), *idle]:
             grad = layout.chunks.get(ChunkKind.GRAD)
             launched, in_flight = layout.index in self._launched, layout.index in self._in_flight
             late = launched and not in_flight and grad is not None and grad.tier is not None
@@ -334,9 +355,13 @@ class ReduceScatterGrads(GradReducer):
         return torch.tensor([float(s.has_grad) for s in slots], dtype=torch.float64)
 
     def agree_presence(self, votes: torch.Tensor) -> None:
+        idle = set()
         for slot, count in zip(self.params.slots.values(), votes.tolist(), strict=True):
             if count and not slot.grad_contributions:
                 slot.grad_contributions = 1  # its shard holds the other ranks' gradients
+            if not count and slot.layout.trainable:
+                idle.add(slot.layout.index)
+        self._idle = idle  # for the next backward, alike on every rank
 
     # ------------------------------------------------------------------ endings
     def cancel(self) -> None:
