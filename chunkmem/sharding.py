@@ -20,6 +20,8 @@ Every layout's capacity is a multiple of the world size, and rank ``r`` owns ele
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -50,6 +52,15 @@ class Done:
 
     def is_completed(self) -> bool:
         return True
+
+
+# Names the layout of the collectives launched in its block (``Sharding.about``).
+Subject = Callable[[int], contextlib.AbstractContextManager[None]]
+
+
+def no_subject(_layout: int) -> contextlib.AbstractContextManager[None]:
+    """A world of one: its collectives name nothing."""
+    return contextlib.nullcontext()
 
 
 class Sharding:
@@ -90,6 +101,10 @@ class Sharding:
     def gather_objects(self, obj: object) -> list[object]:
         """Every rank's small picklable ``obj``, in rank order (blocking; a barrier too)."""
         return [obj]
+
+    def about(self, layout: int) -> contextlib.AbstractContextManager[None]:
+        """Collectives launched in the block move ``layout`` (their identity says so)."""
+        return no_subject(layout)
 
     def checkpoint_group(self) -> object | None:
         """The process group ``torch.distributed.checkpoint`` coordinates on (None: a world of

@@ -5,7 +5,9 @@ on their summed gradients:
   to another's without any error;
 - their reductions match when a branch no rank took in the last step comes back on one rank
   (a rank that had learned not to wait for it reduced its layout twice, alone);
-- a parameter no rank uses does not stop the reductions overlapping backward.
+- a parameter no rank uses does not stop the reductions overlapping backward;
+- at stage 3, which gathers what each forward uses, ranks gathering other layouts are told
+  apart by the layout in each collective's identity, and stopped.
 See [Note: reductions when ranks take different paths] in zero/reduce.py."""
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 
 import chunkmem
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
+from zero.thread_world import RanksFailed
 
 STEPS = 4
 CHUNK = 256  # a layout per layer: 135, 240, 240 and 32 elements
@@ -143,3 +146,16 @@ def test_a_layer_no_rank_uses_is_reduced_last_and_the_rest_overlap_backward() ->
     for result in results:
         assert result["launches"][0] == [("head.weight", True), *first]
         assert result["launches"][1:] == [overlapped] * (STEPS - 1)
+
+
+@pytest.mark.timeout(120)
+def test_stage_3_ranks_gathering_other_layouts_of_one_size_are_told_apart() -> None:
+    """Stage 3 gathers what each forward uses: rank 0 gathers a where rank 1 gathers b, both
+    of 256 elements. Matched by order and size alone, each would compute on half of one and
+    half of the other; the layout in each collective's identity stops both, saying why."""
+    with pytest.raises(RanksFailed) as failed:
+        run_threads(_train_paths, 2, 3, "each-its-own", timeout_s=30)
+    message = str(failed.value)
+    assert "(all_gather of 256 elements of float32, layout 1), but rank 1" in message
+    assert "(all_gather of 256 elements of float32, layout 2)" in message
+    assert "their forwards used different parameters" in message

@@ -157,6 +157,7 @@ class Communicator:
         self.ledger = ledger if ledger is not None else CommLedger()
         self.tag = 0
         self.phase = ""
+        self.subject = -1  # the layout the next collectives move (see about)
         self.topology: Topology | None = None
         self.cycle = 0
         self.failed: CollectiveError | None = None  # the first collective that failed
@@ -172,13 +173,23 @@ class Communicator:
         finally:
             self.phase = previous
 
+    @contextlib.contextmanager
+    def about(self, layout: int) -> Iterator[None]:
+        """The collectives launched in the block move ``layout``: their identities say so, so
+        ranks at another layout's collective of one size are told apart (zero/identity.py)."""
+        previous, self.subject = self.subject, layout
+        try:
+            yield
+        finally:
+            self.subject = previous
+
     def _identity(
         self, op: str, group: Group, numel: int, dtype: torch.dtype | None
     ) -> CollectiveIdentity:
         """The next collective's identity in ``group`` (every member numbers them alike)."""
         seq = self._sequence.get(group.name, 0) + 1
         self._sequence[group.name] = seq
-        return CollectiveIdentity(self.cycle, seq, op, numel, dtype)
+        return CollectiveIdentity(self.cycle, seq, op, numel, dtype, self.subject)
 
     @property
     def rank(self) -> int:

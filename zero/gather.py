@@ -26,7 +26,7 @@ import torch
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.costs import DeviceBytes, GathererCosts, Traffic
 from chunkmem.residency import Residency
-from chunkmem.sharding import ParamGatherer, Sharding, Waitable
+from chunkmem.sharding import ParamGatherer, Sharding, Subject, Waitable, no_subject
 from chunkmem.states import TensorState
 from chunkmem.tracer import Phase
 from zero.comm import Communicator, Group
@@ -205,7 +205,9 @@ class GatherUpdatedShards(ParamGatherer):
         param.pin()
         self._gathering.append(param)
         # In place: this rank's shard is already in its slot of the chunk.
-        param.arriving = self._all_gather(param.payload[start : start + numel], param.payload, True)
+        with self.sharding.about(layout.index):
+            shard = param.payload[start : start + numel]
+            param.arriving = self._all_gather(shard, param.payload, True)
 
     def finish_step(self) -> None:
         """Wait for every gather the step launched; or (``carry_over_step``) issue the last
@@ -262,8 +264,11 @@ class GatherForCompute(ParamGatherer):
 
     compute_kind = GATHERED
 
-    def __init__(self, residency: Residency, weights: WeightGather) -> None:
+    def __init__(
+        self, residency: Residency, weights: WeightGather, about: Subject = no_subject
+    ) -> None:
         self.residency = residency
+        self._about = about  # names the layout in each gather's identity
         self.tracer = residency.tracer
         self.weights = weights
         self._lives: dict[int, LayoutLife] = {}
@@ -292,9 +297,10 @@ class GatherForCompute(ParamGatherer):
         """Launch the gather of every rank's shard into ``chunk`` (for a moment of ``phase``)."""
         shard = chunk.layout.chunks[ChunkKind.PARAM]
         self.residency.room.ensure_on_device([shard])
-        return self.weights.start(
-            shard.payload, chunk.payload, phase=phase.value, async_op=async_op
-        )
+        with self._about(chunk.layout.index):
+            return self.weights.start(
+                shard.payload, chunk.payload, phase=phase.value, async_op=async_op
+            )
 
     def _before_drop(self, gathered: Chunk) -> None:
         """What a gathered copy leaves behind when it goes (nothing; hpZ keeps a part)."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 from chunkmem.chunk import Chunk, ChunkLayout
 from chunkmem.costs import DeviceBytes, Traffic
 from chunkmem.residency import Residency
-from chunkmem.sharding import Waitable
+from chunkmem.sharding import Subject, Waitable, no_subject
 from chunkmem.tracer import Phase
 from zero.comm import Group
 from zero.gather import (
@@ -53,9 +53,13 @@ class HierarchicalGather(GatherForCompute):
     """Stage 3 with hpZ: primary gathers by ``weights``, later ones from the secondaries."""
 
     def __init__(
-        self, residency: Residency, weights: WeightGather, secondary: ExactAllGather
+        self,
+        residency: Residency,
+        weights: WeightGather,
+        secondary: ExactAllGather,
+        about: Subject = no_subject,
     ) -> None:
-        super().__init__(residency, weights)
+        super().__init__(residency, weights, about)
         self.secondary = secondary
         group: Group = secondary.group
         self.group_rank = group.rank
@@ -68,9 +72,10 @@ class HierarchicalGather(GatherForCompute):
         self.residency.room.ensure_on_device([secondary])
         secondary.pin()  # read by the gather until it completes
         try:
-            handle = self.secondary.start(
-                secondary.payload, chunk.payload, phase=phase.value, async_op=True
-            )
+            with self._about(chunk.layout.index):
+                handle = self.secondary.start(
+                    secondary.payload, chunk.payload, phase=phase.value, async_op=True
+                )
         except BaseException:
             secondary.unpin()
             raise

@@ -5,7 +5,10 @@ skips a collective its peers issue, pairs its next collectives with its peers' e
 matched only by order, they exchange data from different steps without a word, or buffers of
 different sizes, on which gloo aborts the process. So every collective carries an identity:
 the engine's cycle number (every forward/backward/step cycle, aborted ones included), the
-collective's sequence number in its group, the operation, the element count and the dtype.
+collective's sequence number in its group, the operation, the element count, the dtype and,
+where the engine says so (``Communicator.about``), the layout it moves: ranks whose forwards
+took different paths gather or reduce other layouts of one size at one point, which nothing
+else would tell apart.
 
 - Point-to-point rings send under a tag derived from the identity: messages of different
   collectives never match, so no data is mixed and no size can disagree.
@@ -19,7 +22,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
@@ -46,7 +49,7 @@ _DTYPES = (
     torch.int64,
     torch.bool,
 )
-FIELDS = 5  # int64 values per identity on the wire
+FIELDS = 6  # int64 values per identity on the wire
 DIAGNOSE_TAG = (1 << 31) - 1  # reserved for "where are you?" after a timeout
 _TAG_MASK = (1 << 31) - 2  # ring tags stay below the reserved one
 
@@ -62,18 +65,21 @@ class CollectiveIdentity:
     op: str
     numel: int
     dtype: torch.dtype | None
+    subject: int = -1  # the layout it moves, or -1
 
     def encode(self) -> torch.Tensor:
         dtype_code = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else len(_DTYPES)
         return torch.tensor(
-            [self.cycle, self.seq, OPS.index(self.op), self.numel, dtype_code], dtype=torch.int64
+            [self.cycle, self.seq, OPS.index(self.op), self.numel, dtype_code, self.subject],
+            dtype=torch.int64,
         )
 
     @staticmethod
     def decode(values: torch.Tensor) -> CollectiveIdentity:
-        cycle, seq, op, numel, dtype_code = (int(v) for v in values.tolist())
+        cycle, seq, op, numel, dtype_code, subject = (int(v) for v in values.tolist())
         dtype = _DTYPES[dtype_code] if 0 <= dtype_code < len(_DTYPES) else None
-        return CollectiveIdentity(cycle, seq, OPS[op] if 0 <= op < len(OPS) else "?", numel, dtype)
+        name = OPS[op] if 0 <= op < len(OPS) else "?"
+        return CollectiveIdentity(cycle, seq, name, numel, dtype, subject)
 
     def tag(self) -> int:
         """The message tag of a ring with this identity (never the reserved diagnosis tag)."""
@@ -81,9 +87,10 @@ class CollectiveIdentity:
 
     def describe(self) -> str:
         dtype = "" if self.dtype is None else f" of {str(self.dtype).removeprefix('torch.')}"
+        subject = "" if self.subject < 0 else f", layout {self.subject}"
         return (
             f"collective #{self.seq} of cycle {self.cycle} ({self.op} of {self.numel:,} "
-            f"elements{dtype})"
+            f"elements{dtype}{subject})"
         )
 
 
@@ -110,11 +117,24 @@ def mismatch_message(
         else f"ranks {_compact(ranks)} {where.replace('is ', 'are ', 1) if where.startswith('is ') else where}"
         for where, ranks in by_where.items()
     ]
+    other_layouts = all(
+        isinstance(t, CollectiveIdentity) and replace(t, subject=mine.subject) == mine
+        for t in differing.values()
+    )
+    why = (
+        " The ranks are at one collective for different layouts: their forwards used different "
+        "parameters (a branch their data decides). ZeRO stage 3 gathers the parameters each "
+        "forward uses, so every rank must use the same ones in one order, as with FSDP: train "
+        "at stage 1 or 2, or have every rank run every branch (times 0 where it is not taken)."
+        if other_layouts
+        else " A rank skipped or repeated collectives (e.g. it caught an exception and carried "
+        "on with the next batch), or died; every rank must run the same cycles."
+    )
     return (
         f"ranks are out of step: rank {rank} is at {mine.describe()}, but "
         + "; ".join(parts)
-        + ". A rank skipped or repeated collectives (e.g. it caught an exception and carried on "
-        "with the next batch), or died; every rank must run the same cycles."
+        + "."
+        + why
     )
 
 

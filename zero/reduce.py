@@ -294,9 +294,10 @@ class ReduceScatterGrads(GradReducer):
         self.residency.room.ensure_on_device([grad, shard])
         _zero_unwritten(grad)
         older = list(self._in_flight.values())
-        self._in_flight[layout.index] = Reduction(
-            layout, self.residency, self.reduction, adds_to_shard
-        )
+        with self.sharding.about(layout.index):
+            self._in_flight[layout.index] = Reduction(
+                layout, self.residency, self.reduction, adds_to_shard
+            )
         for slot in layout.slots:
             slot.grad_reduced = slot.grad_contributions
         self._launched.add(layout.index)

@@ -18,6 +18,7 @@ engine does on CPU tensors are moved there and back.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -93,6 +94,9 @@ class ZeroSharding(Sharding):
         self.world_size = comm.size
         self.rank = comm.rank
         self.cycle_clock = CycleClock()
+
+    def about(self, layout: int) -> contextlib.AbstractContextManager[None]:
+        return self.comm.about(layout)
 
     def param_span(self, layout: ChunkLayout) -> Span | None:
         return self.shard(layout) if self.stage >= 3 else None
@@ -330,9 +334,9 @@ class ZeroStrategy(Strategy):
         if choice.hpz:
             assert self.groups is not None and self.groups.hpz is not None
             return HierarchicalGather(
-                residency, weights, ExactAllGather(self.comm, self.groups.hpz)
+                residency, weights, ExactAllGather(self.comm, self.groups.hpz), self.comm.about
             )
-        return GatherForCompute(residency, weights)
+        return GatherForCompute(residency, weights, self.comm.about)
 
     def reducer(self, params: ParamStore, residency: Residency) -> GradReducer:
         choice = self.choice
