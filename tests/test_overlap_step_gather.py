@@ -11,7 +11,7 @@ import torch
 import chunkmem
 from chunkmem.chunk import ChunkKind
 from chunkmem.errors import ConfigError
-from tests.distributed_helpers import run_threads
+from tests.distributed_helpers import run_ranks, run_threads
 from tests.test_ranks_taking_different_paths import small_engine
 
 STEPS = 4
@@ -159,3 +159,19 @@ def test_a_stage_without_a_step_gather_refuses_it(stage: int) -> None:
         ConfigError, match=f"overlap_step_gather.*needs zero.stage 1 or 2, got stage {stage}"
     ):
         chunkmem.Config.from_dict({"zero": {"stage": stage, "overlap_step_gather": True}})
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_gloo_rings_finish_the_carried_gathers_whatever_each_forward_reads_first() -> None:
+    """4 gloo ranks, one ring each gather (3 steps, the later ones run only in ``wait``): ranks
+    1 and 3 read ``head`` first and the branch's layout at backward, ranks 0 and 2 the branch
+    first. Waited in the order each rank reads them, each rank would block in one ring on a
+    peer blocked in another; in issue order they finish, with the in-process world's bits."""
+    gloo = run_ranks(_train, WORLD, 2, True, WORLD, timeout_s=20, deadline_s=240)
+    threads = run_threads(_train, WORLD, 2, True, WORLD, timeout_s=30)
+    for rank, (ours, reference) in enumerate(zip(gloo, threads, strict=True)):
+        assert ours["after_step"] == [ours["layouts"]] * STEPS, rank
+        assert ours["losses"] == reference["losses"], rank
+        for name, value in reference["state"].items():
+            assert torch.equal(ours["state"][name], value), (rank, name)

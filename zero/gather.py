@@ -130,7 +130,9 @@ class Chained:
     """A collective, then the one ``then`` issues once the first completed, at ``advance`` or
     ``wait`` and never when a poll happens to see the first done (see [Note: the two-level
     weight gather] in zero.quantized_gather): every rank issues the second at the same point
-    of its program. Not completed before it is advanced."""
+    of its program. Not completed before it is advanced. ``then`` names the first's layout in
+    the second's identity itself (``Communicator.about``): it may be issued inside another
+    layout's block (an eviction waiting for it), whose name it must not take."""
 
     def __init__(self, first: Waitable, then: Callable[[], Waitable]) -> None:
         self._first: Waitable | None = first
@@ -212,7 +214,8 @@ class GatherUpdatedShards(ParamGatherer):
     def finish_step(self) -> None:
         """Wait for every gather the step launched; or (``carry_over_step``) issue the last
         one's second level, so that every rank has issued all of them at this point of its
-        program, and leave them to their readers. All are unpinned whatever raises."""
+        program, and leave them to their readers, in issue order (:class:`InIssueOrder`).
+        All are unpinned whatever raises."""
         gathering, self._gathering = self._gathering, []
         try:
             if not self.carry_over_step:
@@ -222,6 +225,9 @@ class GatherUpdatedShards(ParamGatherer):
             last = gathering[-1].arriving if gathering else None
             if isinstance(last, Chained):
                 last.advance()
+            order = InIssueOrder([chunk.arriving for chunk in gathering])  # type: ignore[misc]
+            for index, chunk in enumerate(gathering):
+                chunk.arriving = order.through(index)
         finally:
             _unpin(gathering)
 
@@ -238,6 +244,44 @@ class GatherUpdatedShards(ParamGatherer):
         finally:
             _unpin(gathering)
             self.settle()
+
+
+class InIssueOrder:
+    """Collectives waited for in the order they were issued, whichever is asked for first.
+
+    A ring on gloo moves its steps after the first only inside ``wait`` (zero/ring.py). Ranks
+    whose next forward reads the carried layouts in different orders (a branch one skips, an
+    eviction one makes) would each block in one ring on a peer blocked in another: waiting
+    for one here first waits for every one issued before it, so every rank waits in one
+    order."""
+
+    def __init__(self, handles: list[Waitable]) -> None:
+        self._handles = handles
+        self._waited = 0  # handles[:_waited] are waited for
+
+    def through(self, index: int) -> Waitable:
+        """The ``index``-th collective, whose wait waits for those before it first."""
+        return _Through(self, index)
+
+    def wait_through(self, index: int) -> None:
+        while self._waited <= index:
+            self._handles[self._waited].wait()
+            self._waited += 1
+
+    def is_completed(self, index: int) -> bool:
+        return all(handle.is_completed() for handle in self._handles[: index + 1])
+
+
+class _Through:
+    def __init__(self, order: InIssueOrder, index: int) -> None:
+        self._order = order
+        self._index = index
+
+    def wait(self) -> None:
+        self._order.wait_through(self._index)
+
+    def is_completed(self) -> bool:
+        return self._order.is_completed(self._index)
 
 
 def _unpin(chunks: list[Chunk]) -> None:

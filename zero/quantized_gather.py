@@ -98,10 +98,11 @@ class TwoLevelPieces:
         mine = block[self.inter.rank * piece : (self.inter.rank + 1) * piece]
         with self.comm.serving(phase):
             across = self.comm.all_gather(mine, block, group=self.inter, async_op=True)
-        return Chained(across, lambda: self._inside(block, wire, phase))
+        layout = self.comm.subject  # the second level names it wherever issued (see Chained)
+        return Chained(across, lambda: self._inside(block, wire, phase, layout))
 
-    def _inside(self, block: torch.Tensor, wire: torch.Tensor, phase: str) -> Handle:
-        with self.comm.serving(phase):
+    def _inside(self, block: torch.Tensor, wire: torch.Tensor, phase: str, layout: int) -> Handle:
+        with self.comm.serving(phase), self.comm.about(layout):
             return self.comm.all_gather(block, wire, group=self.intra, async_op=True)
 
 

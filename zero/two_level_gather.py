@@ -88,12 +88,14 @@ class TwoLevelStepGather:
             )
         with self.comm.serving(self.phase):
             across = self.comm.all_gather(mine, window, group=self.inter, async_op=True)
-        arrival = Chained(across, lambda: self._inside(full, first, piece))
+        # The second level names the first's layout wherever it is issued (see Chained).
+        layout = self.comm.subject
+        arrival = Chained(across, lambda: self._inside(full, first, piece, layout))
         if not async_op:
             arrival.wait()
         return arrival
 
-    def _inside(self, full: torch.Tensor, window_start: int, piece: int) -> Waitable:
+    def _inside(self, full: torch.Tensor, window_start: int, piece: int, layout: int) -> Waitable:
         """Move the pieces that crossed to their ranks' slots, then gather every node's
         segment inside this node."""
         nodes, per_node = self.topology.nodes, self.topology.node_size
@@ -105,7 +107,7 @@ class TwoLevelStepGather:
                 full[source * piece : (source + 1) * piece]
             )
         handles: list[Waitable] = []
-        with self.comm.serving(self.phase):
+        with self.comm.serving(self.phase), self.comm.about(layout):
             for j in range(nodes):
                 segment = full[j * per_node * piece : (j + 1) * per_node * piece]
                 handles.append(
