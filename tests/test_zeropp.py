@@ -23,7 +23,7 @@ from chunkmem.models.gpt import GPT, GPTConfig
 from chunkmem.report.memory_trace import build_memory_trace
 from kernels.quantized import data_nbytes, num_groups
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
-from zero.gather import Then
+from zero.in_flight import Then
 from zero.kinds import HPZ_SECONDARY
 from zero.wire import packed_nbytes
 

@@ -41,10 +41,10 @@ from zero.gather import (
     ExactAllGatherCosts,
     GatherForCompute,
     GatherForComputeCosts,
-    Then,
     WeightGather,
     WeightGatherCosts,
 )
+from zero.in_flight import Then
 from zero.kinds import GATHERED, HPZ_SECONDARY
 from zero.wire import BytesPool
 

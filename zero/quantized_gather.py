@@ -44,7 +44,7 @@ from chunkmem.costs import Traffic
 from chunkmem.sharding import Waitable
 from zero.comm import Communicator, Group, Handle
 from zero.comm_ledger import collective_traffic
-from zero.gather import Chained, Then
+from zero.in_flight import Chained, Then
 from zero.topology import Topology
 from zero.wire import WireBuffers, packed_nbytes, packed_view
 

@@ -41,7 +41,7 @@ from chunkmem.costs import Traffic
 from chunkmem.sharding import Waitable
 from zero.comm import Communicator, Group
 from zero.comm_ledger import collective_traffic
-from zero.gather import AllOf, Chained
+from zero.in_flight import AllOf, Chained
 from zero.topology import Topology
 
 MIN_INTAKE_CUT = 0.1  # of the pieces one ring carries into a node
