@@ -13,7 +13,8 @@ import torch
 
 from tests.distributed_helpers import run_ranks, run_threads
 from tests.test_comm import _check_collectives, _collectives_on_world_and_pairs
-from zero.comm import AFTER_FAILURE_S, CollectiveError, Communicator
+from zero.collective_failures import AFTER_FAILURE_S
+from zero.comm import CollectiveError, Communicator
 from zero.thread_world import RanksFailed, ThreadWorld
 
 

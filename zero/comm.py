@@ -1,16 +1,5 @@
 """Every collective the ZeRO stages issue: flat buffers, a timeout on each, and a volume ledger.
 
-[Note: a failed collective is final]
-A collective that fails or times out raises `CollectiveError`. The group may be unusable after
-that: with gloo an async error can surface again at the next collective on one rank only, while
-its peers wait for a message that never comes, and an NCCL timeout aborts the communicators.
-The engine must stop on the first `CollectiveError`; nothing here retries, and no other
-algorithm is ever swapped in. The communicator remembers the first failure (``failed``): every
-later wait, such as the cancel of the reductions still in flight, is bounded by
-``AFTER_FAILURE_S`` instead of a timeout of its own, so a rank raises within its timeout plus
-the short diagnosis (``zero.torch_transport.DIAGNOSIS_S``), however many collectives it had in
-flight when a peer died.
-
 [Note: every collective is bounded in time]
 Groups are created with their timeout, so the backend bounds its own work, and every collective
 runs as async work plus ``Work.wait(timeout)`` with the same timeout, so a synchronous call is
@@ -47,6 +36,7 @@ from torch import Tensor
 
 from chunkmem.errors import CollectiveError
 from chunkmem.temporaries import uncounted
+from zero.collective_failures import FirstFailure
 from zero.comm_checks import check_flat, check_shard_and_full
 from zero.comm_ledger import (
     CollectiveRecord,
@@ -55,7 +45,7 @@ from zero.comm_ledger import (
     dtype_name,
     elements_sent_per_rank,
 )
-from zero.identity import CollectiveIdentity, MismatchError
+from zero.identity import CollectiveIdentity
 from zero.process_group import Group, init_world
 from zero.transport import Transport, Work
 
@@ -77,16 +67,6 @@ __all__ = [
 _REDUCE_OPS = ("sum", "max", "min")
 
 _LENGTH_BYTES = 8  # all_gather_object's per-rank length header, one int64
-
-# How long a wait lasts once a collective of this communicator has failed: enough for work
-# that already completed to be collected, never a second timeout (see the first note).
-AFTER_FAILURE_S = 0.05
-
-
-def _failure(op: str, group: Group, launched_at: float, cause: str) -> CollectiveError:
-    return CollectiveError(
-        op, group.name, group.ranks, time.monotonic() - launched_at, group.timeout_s, cause
-    )
 
 
 class Handle:
@@ -110,8 +90,8 @@ class Handle:
         self._error: CollectiveError | None = None
 
     def wait(self) -> None:
-        """Wait at most the group's timeout (see [Note: a failed collective is final] for
-        the waits after a failure); on NCCL the host blocks until completion."""
+        """Wait at most the group's timeout (see [Note: a failed collective is final] in
+        zero.collective_failures for the waits after a failure); on NCCL the host blocks until completion."""
         if self._error is not None:
             raise self._error
         if self._work is None:
@@ -160,7 +140,7 @@ class Communicator:
         self.subject = -1  # the layout the next collectives move (see about)
         self.topology: Topology | None = None
         self.cycle = 0
-        self.failed: CollectiveError | None = None  # the first collective that failed
+        self.failures = FirstFailure(transport)
         self._groups = {world.name: world}
         self._sequence: dict[str, int] = {}
 
@@ -407,8 +387,7 @@ class Communicator:
             with uncounted():  # the transport's own buffers: see chunkmem/temporaries.py
                 work = start(identity)
         except RuntimeError as cause:  # a peer gone before the launch: ask the others, too
-            reason = self._explain(identity, group, cause)
-            raise self._failed(_failure(op, group, launched_at, reason)) from cause
+            raise self.failures.failed(op, group, launched_at, identity, cause) from cause
         handle = Handle(op, group, work, launched_at, self, identity)
         if not async_op:
             handle.wait()
@@ -427,8 +406,7 @@ class Communicator:
             with uncounted():
                 return run(timedelta(seconds=group.timeout_s))
         except RuntimeError as cause:
-            reason = self._explain(identity, group, cause)
-            raise self._failed(_failure(op, group, launched_at, reason)) from cause
+            raise self.failures.failed(op, group, launched_at, identity, cause) from cause
 
     def _finish(
         self,
@@ -440,29 +418,12 @@ class Communicator:
     ) -> CollectiveError | None:
         """Wait for ``work``; the error that ends it, if any (see [Note: a failed collective
         is final]: after a failure, a wait is not given a second timeout)."""
-        timeout_s = group.timeout_s if self.failed is None else AFTER_FAILURE_S
         try:
             with uncounted():
-                work.wait(timedelta(seconds=timeout_s))
+                work.wait(timedelta(seconds=self.failures.timeout_s(group)))
             return None
         except RuntimeError as cause:
-            if self.failed is not None:
-                return _failure(
-                    op, group, launched_at, f"{cause}, after an earlier failure: {self.failed}"
-                )
-            reason = str(cause) if identity is None else self._explain(identity, group, cause)
-            return self._failed(_failure(op, group, launched_at, reason))
-
-    def _explain(self, identity: CollectiveIdentity, group: Group, cause: RuntimeError) -> str:
-        """A mismatch says where everyone is already; other failures ask the peers."""
-        if isinstance(cause, MismatchError):
-            return str(cause)
-        return self.transport.explain(identity, group, str(cause))
-
-    def _failed(self, error: CollectiveError) -> CollectiveError:
-        if self.failed is None:
-            self.failed = error
-        return error
+            return self.failures.failed(op, group, launched_at, identity, cause)
 
     def _record(
         self,
