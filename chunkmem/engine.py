@@ -13,16 +13,16 @@ import contextlib
 import enum
 import warnings
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
 
-from chunkmem import engine_reports, engine_state
+from chunkmem import engine_aborts, engine_reports, engine_state
 from chunkmem.config import Config
-from chunkmem.errors import CollectiveError, EngineUsageError, TierDataError
+from chunkmem.errors import EngineUsageError
 from chunkmem.eval_cycles import EvalCycles
 from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, internal
 from chunkmem.ledger import Ledger
@@ -214,7 +214,7 @@ class Engine:
             if not self.params.all_packed:
                 self.params.pack_remaining(self.residency.tiers.spill)
         except BaseException as error:
-            self._abort(error)
+            engine_aborts.abort_cycle(self, error)
             raise
         self.phase = EnginePhase.FORWARD_DONE
         return output
@@ -268,7 +268,7 @@ class Engine:
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
             self.reducer.finish_backward()
         except BaseException as error:
-            self._abort_update(error, "engine.backward()")
+            engine_aborts.abort_update(self, error, "engine.backward()")
             raise
         self.phase = EnginePhase.BACKWARD_DONE
 
@@ -300,7 +300,7 @@ class Engine:
                 self.optimizer.step(divisor)
             self.scaler.update(found_inf)
         except BaseException as error:
-            self._abort_update(error, "engine.step()")
+            engine_aborts.abort_update(self, error, "engine.step()")
             raise
         self._end_cycle()
         self.global_steps += 1
@@ -329,49 +329,12 @@ class Engine:
         self.tracer.end_cycle()
         self.ledger.next_iteration()
         self.states.sharding.set_tag(self.ledger.iteration)
+        self.end_window()
+
+    def end_window(self) -> None:
+        """The accumulation window is over (stepped, or aborted): the next forward starts one."""
         self.micro_steps = 0
         self.phase = EnginePhase.IDLE
-
-    def _abort_update(self, error: BaseException, call: str) -> None:
-        """Abort after ``error`` in a call that may have begun updating parameters (the
-        step; backward with ``offload.overlap``): if it did, or a tier lost chunk content,
-        the engine stops. Speculative early updates are undone first, exactly."""
-        if self.optimizer.speculating:
-            with contextlib.suppress(BaseException):  # if undoing fails, the engine stops
-                self.optimizer.settle_speculation(held=False)
-        updated = self.optimizer.layouts_updated
-        self._abort(error)
-        if self.stopped_because is not None:
-            return
-        if updated:
-            self._stop(
-                f"{call} failed after it began updating {updated} chunk group(s) of "
-                f"parameters ({type(error).__name__}: {error}); the others were not "
-                f"updated, so the model is no longer one consistent state"
-            )
-        elif isinstance(error, TierDataError):
-            self._stop(f"optimizer states were lost ({error})")
-
-    def _abort(self, error: BaseException) -> None:
-        """Undo the cycle after ``error``: every owner releases what it holds (hook frames,
-        transient pins, reductions and gathers in flight, gradients, parameter slots that
-        held one), even if one of them raises. A failed collective stops the engine."""
-        try:
-            self.hooks.reset()
-            self.manager.reset_states()
-            self.activations.release_all()
-            with contextlib.ExitStack() as releases:
-                releases.callback(self.gatherer.cancel)
-                releases.callback(self.grads.discard)
-                releases.callback(self.optimizer.cancel)  # runs first: it reads gradients
-        except CollectiveError as cancel_error:
-            error = cancel_error
-        finally:
-            self.tracer.abandon_cycle()
-            self.micro_steps = 0
-            self.phase = EnginePhase.IDLE
-            if isinstance(error, CollectiveError):
-                self._stop(f"a collective failed ({error})")
 
     def _forget_calls_outside_the_engine(self) -> None:
         """A forward or backward of the bare model with grad (a refused stray backward) may
@@ -386,14 +349,7 @@ class Engine:
         optimizer states are untouched, and the next forward starts a fresh cycle (e.g. after
         a loss that is not finite, or a batch the caller decides to skip)."""
         self._check_not_stopped()
-        self.optimizer.settle_speculation(held=False)  # speculative early updates are undone
-        if self.optimizer.layouts_updated:
-            raise EngineUsageError(
-                f"engine.discard(): the update of {self.optimizer.layouts_updated} chunk "
-                f"group(s) already ran in backward (offload.overlap) and cannot be undone; "
-                f"call engine.step() to complete it"
-            )
-        self._abort(EngineUsageError("discarded"))
+        engine_aborts.discard(self)
 
     def _stop(self, reason: str) -> None:
         self.stopped_because = reason
@@ -411,7 +367,7 @@ class Engine:
         """Wait until every parameter holds the last step's value. Only needed with
         ``zero.overlap_step_gather``, to read the module's parameter tensors themselves
         between ``step()`` and the next forward (the engine's own readers wait already)."""
-        with self._stop_on_collective_failure():
+        with engine_aborts.stopping_on_collective_failure(self):
             self.gatherer.settle()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -449,14 +405,6 @@ class Engine:
                 f"{self.config.gradient_accumulation_steps} micro-steps accumulated: finish "
                 f"with engine.step() (or drop them with engine.discard()) first"
             )
-
-    @contextlib.contextmanager
-    def _stop_on_collective_failure(self) -> Iterator[None]:
-        try:
-            yield
-        except CollectiveError as error:
-            self._stop(f"a collective failed ({error})")
-            raise
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes of chunks by kind, over both tiers (padding included)."""

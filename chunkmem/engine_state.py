@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chunkmem import engine_aborts
+
 if TYPE_CHECKING:
     from chunkmem.engine import Engine
 
@@ -32,7 +34,7 @@ def save_checkpoint(engine: Engine, directory: str | Path, client_state: Any) ->
     from chunkmem.checkpoint import save_checkpoint as save  # DCP is imported when first used
 
     engine.wait_for_parameters()
-    with engine._stop_on_collective_failure():
+    with engine_aborts.stopping_on_collective_failure(engine):
         return save(engine, directory, client_state)
 
 
@@ -42,7 +44,7 @@ def load_checkpoint(engine: Engine, directory: str | Path) -> Any:
     from chunkmem.checkpoint import prepare_load
 
     engine.wait_for_parameters()
-    with engine._stop_on_collective_failure():
+    with engine_aborts.stopping_on_collective_failure(engine):
         load = prepare_load(engine, directory)
         try:
             return load()

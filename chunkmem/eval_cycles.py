@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from chunkmem import engine_aborts
 from chunkmem.errors import EngineUsageError
 from chunkmem.hooks import UnhookedAccessMode
 
@@ -94,7 +95,7 @@ class EvalCycles:
         except BaseException as close_error:
             error = close_error
         if error is not None:
-            engine._abort(error)
+            engine_aborts.abort_cycle(engine, error)
             return
         engine.manager.reset_states()
         engine.residency.nonmodel.trace_peak()
