@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import torch
@@ -51,7 +52,10 @@ class ParamStore:
         self.master_tier = master_tier  # where masters start, until the step homes them
         # Keyed by id(param): a Parameter's __hash__ is a Python call, and these are hot.
         self.slots: dict[int, TensorSlot] = {}
-        self.pending: dict[int, tuple[str, torch.nn.Parameter]] = {}  # registered, not packed
+        # Registered, not packed, in registration order. Ordered so that taking the earliest
+        # costs O(1) however many were taken before it (a plain dict's first key is found
+        # by skipping every entry deleted ahead of it).
+        self.pending: OrderedDict[int, tuple[str, torch.nn.Parameter]] = OrderedDict()
         self.layouts: list[ChunkLayout] = []
         layout_ids = itertools.count()
         self._packers = {
@@ -127,9 +131,8 @@ class ParamStore:
         """Give ``param`` its slot, copy its value into the chunks and bind it; across ranks,
         those registered before it first (see the module's docstring)."""
         if self.sharding.world_size > 1:
-            for key, (_name, earlier) in list(self.pending.items()):
-                if key == id(param):
-                    break
+            while self.pending and next(iter(self.pending)) != id(param):
+                _name, earlier = next(iter(self.pending.values()))
                 self._pack_one(earlier, tier)
         return self._pack_one(param, tier)
 
@@ -150,7 +153,7 @@ class ParamStore:
         for kind in (ChunkKind.PARAM, ChunkKind.MASTER):
             if kind in chunks and chunks[kind] is not compute:
                 self._copy_owned_part(chunks[kind], slot, original)
-        self._slot_offsets[layout.index] = [s.offset for s in layout.slots]
+        self._slot_offsets.setdefault(layout.index, []).append(slot.offset)  # slots only grow
         slot.set_state(TensorState.HOLD)
         if compute.on_device:
             self.binder.bind(slot, compute)
