@@ -17,7 +17,7 @@ from chunkmem.sharding import Waitable
 from chunkmem.update_kernels import fp32_norms
 
 if TYPE_CHECKING:
-    from chunkmem.update_builder import UpdateBuilder
+    from chunkmem.update_builder import KernelCalls, UpdateBuilder
 
 
 class LayoutUpdate:
@@ -30,7 +30,7 @@ class LayoutUpdate:
         layout: ChunkLayout,
         slots: list[TensorSlot],
         stack: contextlib.ExitStack,
-        build: Callable[[], tuple[list[Callable[[], None]], list[torch.Tensor]]],
+        build: Callable[[bool], KernelCalls],
         after: list[Callable[[], None]],
         reads: list[Waitable],
         chunks: dict[ChunkKind, Chunk],
@@ -56,7 +56,7 @@ class LayoutUpdate:
         self.grad_norms: list[torch.Tensor] = []  # fp32 per piece, in the pieces' order
         self._builder = builder
         self._stack = stack
-        self._build = build  # the kernel calls and the gradients they read, built by ``run``
+        self._build = build  # the kernel calls (measuring the norms or not), built by ``run``
         self._after = after
         self._reads = reads
 
@@ -65,10 +65,12 @@ class LayoutUpdate:
             read.wait()
         for hook in self.before_run:
             hook()
-        calls, grads = self._build()
-        if self.measure_grad_norms and grads:
-            self.grad_norms = fp32_norms(grads, self._builder.host_threads)
-        self._builder.run_calls(calls)
+        built = self._build(self.measure_grad_norms)
+        if self.measure_grad_norms and built.grads and built.norms is None:
+            self.grad_norms = fp32_norms(built.grads, self._builder.host_threads)
+        self._builder.run_calls(built.calls)
+        if built.norms is not None:  # measured by the calls, as they read the gradients
+            self.grad_norms = built.measured_norms()
 
     def wait(self) -> None:
         """Until a run on another thread is done; raises what it raised."""

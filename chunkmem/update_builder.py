@@ -26,8 +26,25 @@ from chunkmem.sharding import Waitable
 from chunkmem.tiers import StorageTier
 from chunkmem.torch_update import TorchUpdate, account_stream
 
-# A layout's kernel calls and the gradients they read (LayoutUpdate.run builds them).
-KernelCalls = tuple[list[Callable[[], None]], list[torch.Tensor]]
+
+@dataclass
+class KernelCalls:
+    """A layout's kernel calls and the gradients they read (``LayoutUpdate.run`` builds them);
+    ``norms``: where the calls measure those gradients' norms in their own pass, each call's
+    positions among the gradients and the fp32 tensor it fills (None: they do not)."""
+
+    calls: list[Callable[[], None]]
+    grads: list[torch.Tensor]
+    norms: list[tuple[list[int], torch.Tensor]] | None = None
+
+    def measured_norms(self) -> list[torch.Tensor]:
+        """After the calls ran: each gradient's norm, in the gradients' order (what
+        ``fp32_norms`` gives them, bit for bit)."""
+        assert self.norms is not None
+        ordered = torch.empty(len(self.grads), dtype=torch.float32)
+        for positions, norms in self.norms:
+            ordered[positions] = norms
+        return list(ordered.unbind())
 
 
 @dataclass
@@ -41,9 +58,10 @@ class Staged:
     outs: list[torch.Tensor] | None = None
 
 
-def _only(call: Callable[[], None]) -> KernelCalls:
-    """One call that reads its gradients itself (torch's kernel, on the engine's thread)."""
-    return [call], []
+def _only(call: Callable[[], None], measure: bool) -> KernelCalls:
+    """One call that reads its gradients itself (torch's kernel, on the engine's thread); it
+    measures no norms (early updates, which do, run the native kernel)."""
+    return KernelCalls([call], [])
 
 
 class UpdateBuilder:
@@ -127,7 +145,7 @@ class UpdateBuilder:
                 torch_call = functools.partial(
                     self.torch_update, chunks, pieces, slots, step_of, grad_scale, work
                 )
-                build: Callable[[], KernelCalls] = functools.partial(_only, torch_call)
+                build: Callable[[bool], KernelCalls] = functools.partial(_only, torch_call)
                 after: list[Callable[[], None]] = []
             else:
                 staged, after = self._stage(chunks, pieces, work, stack)
@@ -231,6 +249,7 @@ class UpdateBuilder:
         into: dict[ChunkKind, torch.Tensor],
         grads_saved: Callable[[], list[torch.Tensor | None]] | None,
         staged: Staged,
+        measure: bool,
     ) -> KernelCalls:
         """The native kernel calls of a layout updated in host memory, one per parameter
         group, and the gradients they read; built on the thread that runs them (slicing a
@@ -238,8 +257,13 @@ class UpdateBuilder:
         With fp32 masters it is one pass from the 16-bit gradients to the 16-bit parameters,
         through host buffers where those live on a GPU (``staged``); pieces are passed whole,
         so the bits are torch's fused kernel's on them. The kinds of ``into`` are written
-        there, and the gradients saved to ``grads_saved`` (see :meth:`prepare`)."""
+        there, and the gradients saved to ``grads_saved`` (see :meth:`prepare`). ``measure``:
+        the calls measure the gradients' norms as they read them, where ``fp32_norms`` would
+        measure them with the native kernel (the same bits, one pass fewer)."""
         grads = staged.grads
+        fused_norms: list[tuple[list[int], torch.Tensor]] | None = (
+            [] if measure and update_kernels.measured_natively(grads) else None
+        )
         mixed = ChunkKind.MASTER in chunks
         params = spans(chunks[ChunkKind.MASTER if mixed else ChunkKind.PARAM], pieces)
         outs = (staged.outs or spans(chunks[ChunkKind.PARAM], pieces)) if mixed else None
@@ -259,6 +283,10 @@ class UpdateBuilder:
             ]
         calls: list[Callable[[], None]] = []
         for group_index, positions in self.groups.by_group([s for s, _lo, _hi in pieces]).items():
+            norms = None
+            if fused_norms is not None:
+                norms = torch.empty(len(positions), dtype=torch.float32)
+                fused_norms.append((positions, norms))
             calls.append(
                 functools.partial(
                     kernel,
@@ -275,10 +303,11 @@ class UpdateBuilder:
                     if new is None
                     else new_states(*([t[i] for i in positions] for t in new)),
                     grads_saved=None if saves is None else [saves[i] for i in positions],
+                    grad_norms=norms,
                     num_threads=self.host_threads,
                 )
             )
-        return calls, grads
+        return KernelCalls(calls, grads, fused_norms)
 
     def _host_buffers(
         self,

@@ -39,14 +39,20 @@ def fp32_norms(tensors: list[torch.Tensor], host_threads: int | None) -> list[to
     otherwise (fp32 keeps ``clip_grad_norm_``'s bits; a device; no library). Both the step and
     an early update measure with this, so they get the same bits."""
     kernels = native_host_optimizer()
-    if (
-        kernels is not None
-        and tensors
-        and tensors[0].dtype in (torch.bfloat16, torch.float16)
-        and all(t.is_cpu and t.dtype == tensors[0].dtype for t in tensors)
-    ):
+    if kernels is not None and measured_natively(tensors):
         return kernels.norms(tensors, host_threads)
     norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
     if norms and norms[0].device.type != "cpu":
         return list(torch.stack(norms).cpu().unbind())  # one copy (and wait), not one a tensor
     return list(norms)
+
+
+def measured_natively(tensors: list[torch.Tensor]) -> bool:
+    """Whether :func:`fp32_norms` measures ``tensors`` with the native kernel where its library
+    is built (16-bit host tensors of one dtype): then the native update reading them can
+    measure them in its own pass (``grad_norms``), with the same bits."""
+    return (
+        bool(tensors)
+        and tensors[0].dtype in (torch.bfloat16, torch.float16)
+        and all(t.is_cpu and t.dtype == tensors[0].dtype for t in tensors)
+    )

@@ -59,8 +59,8 @@ _i32, _f64, _ptr = ctypes.c_int, ctypes.c_double, ctypes.c_void_p
 _SIGNATURES = {
     # params, grads, exp_avgs, exp_avg_sqs, params_out, new_params, new_exp_avgs,
     # new_exp_avg_sqs, grads_saved, steps; numels; count, grad, state and out dtypes; lr,
-    # beta1, beta2, weight_decay, eps; decoupled, grad_scale, num_threads
-    "adam": [*[_ptrs] * 10, _numels_t, *[_i32] * 4, *[_f64] * 5, _i32, _ptr, _i32],
+    # beta1, beta2, weight_decay, eps; decoupled, grad_scale, grad_norms (fp32 out), num_threads
+    "adam": [*[_ptrs] * 10, _numels_t, *[_i32] * 4, *[_f64] * 5, _i32, _ptr, _ptr, _i32],
     # params, grads, momentum_buffers, params_out; numels; count, grad, state and out dtypes; lr,
     # momentum, dampening, weight_decay; nesterov, first_step, grad_scale, num_threads
     "sgd": [*[_ptrs] * 4, _numels_t, *[_i32] * 4, *[_f64] * 4, _i32, _i32, _ptr, _i32],
@@ -141,6 +141,7 @@ def fused_adamw_(
     params_out: Sequence[torch.Tensor] | None = None,
     new_states: NewStates | None = None,
     grads_saved: Sequence[torch.Tensor | None] | None = None,
+    grad_norms: torch.Tensor | None = None,
     num_threads: int | None = None,
 ) -> None:
     """AdamW (decoupled weight decay) in place: ``torch._fused_adamw_`` on the host.
@@ -153,7 +154,10 @@ def fused_adamw_(
     place, bit for bit the one in place: ``host_optim_cpu.cpp``, [Note: updates out of
     place]). ``grads_saved``: for each gradient, None or a tensor of its dtype and size that
     receives it as read, before any division (what an undoable update needs of gradients it
-    overwrites or divides, saved in the same pass). ``num_threads`` defaults to
+    overwrites or divides, saved in the same pass). ``grad_norms``: an fp32 CPU tensor of one
+    element per gradient that receives each one's L2 norm before any division, the bits of
+    :func:`norms`, measured as the pass reads it (one read of the gradients, not two); filled
+    when ``found_inf`` skips the step too. ``num_threads`` defaults to
     ``torch.get_num_threads()``.
     """
     _adam(**locals(), decoupled=True)
@@ -179,6 +183,7 @@ def fused_adam_(
     params_out: Sequence[torch.Tensor] | None = None,
     new_states: NewStates | None = None,
     grads_saved: Sequence[torch.Tensor | None] | None = None,
+    grad_norms: torch.Tensor | None = None,
     num_threads: int | None = None,
 ) -> None:
     """Adam with L2 weight decay (added to the gradient) in place: ``torch._fused_adam_`` on
@@ -268,6 +273,7 @@ def _adam(
     params_out,
     new_states,
     grads_saved,
+    grad_norms,
     num_threads,
     decoupled: bool,
 ) -> None:
@@ -293,8 +299,12 @@ def _adam(
             )
     if grads_saved is not None:
         _check_saved(grads_saved, grads)
+    if grad_norms is not None:
+        _check_norms_out(grad_norms, count)
     threads = _threads(num_threads)
     if _skipped(grad_scale, found_inf) or count == 0:
+        if grad_norms is not None and count:
+            grad_norms.copy_(torch.stack(norms(grads, threads)))
         return
     outputs = (params, exp_avgs, exp_avg_sqs) if new_states is None else new_states
     saved = [t for t in grads_saved or () if t is not None]
@@ -320,6 +330,7 @@ def _adam(
         float(eps),
         int(decoupled),
         _scale_address(grad_scale),
+        None if grad_norms is None else grad_norms.data_ptr(),
         threads,
     )
     _mark_modified(
@@ -328,6 +339,7 @@ def _adam(
         params_out,
         grads if grad_scale is not None else None,
         saved,
+        None if grad_norms is None else [grad_norms],
     )
 
 
@@ -433,6 +445,14 @@ def _check_saved(grads_saved: Sequence[torch.Tensor | None], grads) -> None:
             raise ValueError(
                 f"grads_saved[{i}] has {t.numel()} elements but grads[{i}] has {g.numel()}"
             )
+
+
+def _check_norms_out(grad_norms: object, count: int) -> None:
+    """Where the gradients' norms go: one fp32 element per gradient, contiguous, on the CPU."""
+    _check_tensor("grad_norms", 0, grad_norms, (torch.float32,))
+    assert isinstance(grad_norms, torch.Tensor)
+    if grad_norms.numel() != count:
+        raise ValueError(f"grad_norms has {grad_norms.numel()} elements but grads has {count}")
 
 
 def _check_scalar(name: str, t: object) -> None:

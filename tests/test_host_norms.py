@@ -1,6 +1,7 @@
 """The native gradient norms follow their stated summation order exactly (a reference written
 from host_optim_cpu.cpp's [Note: one summation order]), in every dtype, build and thread count,
-and are closer to the exact norm than torch's bf16 norm; bad arguments are named."""
+and are closer to the exact norm than torch's bf16 norm; an Adam update that measures the
+gradients it reads (``grad_norms``) gives those bits; bad arguments are named."""
 
 from __future__ import annotations
 
@@ -99,3 +100,53 @@ def test_no_tensors_and_empty_tensors():
 def test_bad_arguments_are_named(tensors, error, match):
     with pytest.raises(error, match=match):
         host_optim.norms(tensors)
+
+
+def _adam_step(grads: list[torch.Tensor], threads: int, **kwargs) -> list[torch.Tensor]:
+    """One AdamW step over fresh states for ``grads``; the parameters after it."""
+    params = [torch.linspace(-1, 1, g.numel()) for g in grads]
+    moments = [[torch.zeros(g.numel()) for g in grads] for _ in range(2)]
+    steps = [torch.tensor(1.0) for _ in grads]
+    host_optim.fused_adamw_(
+        params, grads, *moments, [], steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+        weight_decay=0.01, num_threads=threads, **kwargs,
+    )  # fmt: skip
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("scale", [None, 1024.0], ids=["no-scale", "grad-scale"])
+def test_an_update_measures_the_norms_of_what_it_reads_with_the_norms_bits(dtype, threads, scale):
+    """``grad_norms``: each gradient's norm before the division, the bits of ``norms``
+    (so a speculative update's measure equals the serial step's), and the same update."""
+    tensors = _tensors(dtype, 3)
+    expected = torch.stack(host_optim.norms(tensors, num_threads=1))
+    measured = torch.full((len(tensors),), float("nan"))
+    grad_scale = None if scale is None else torch.tensor(scale)
+    alone = _adam_step([t.clone() for t in tensors], threads, grad_scale=grad_scale)
+    fused = _adam_step(tensors, threads, grad_scale=grad_scale, grad_norms=measured)
+    assert torch.equal(measured, expected)
+    assert all(torch.equal(a, b) for a, b in zip(fused, alone, strict=True))
+
+
+def test_a_skipped_update_still_measures_the_norms():
+    tensors = _tensors(torch.bfloat16, 4)
+    measured = torch.full((len(tensors),), float("nan"))
+    before = [torch.linspace(-1, 1, t.numel()) for t in tensors]
+    after = _adam_step(tensors, 1, found_inf=torch.tensor(1.0), grad_norms=measured)
+    assert torch.equal(measured, torch.stack(host_optim.norms(tensors)))
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+
+
+@pytest.mark.parametrize(
+    ("grad_norms", "error", "match"),
+    [
+        (torch.zeros(2), ValueError, r"grad_norms has 2 elements but grads has 7"),
+        (torch.zeros(7, dtype=torch.float64), TypeError, r"grad_norms\[0\] has dtype"),
+        (torch.zeros(7, 2)[:, 0], ValueError, r"grad_norms\[0\] is not contiguous"),
+    ],
+)
+def test_where_the_norms_go_is_checked(grad_norms, error, match):
+    with pytest.raises(error, match=match):
+        _adam_step(_tensors(torch.bfloat16, 5), 1, grad_norms=grad_norms)

@@ -283,6 +283,41 @@ double block_sum_of_squares(const typename G::Raw* g, int64_t begin, int64_t end
   return sum;
 }
 
+// Per-block sums of squares of `count` tensors, reduced per tensor in block order into fp32
+// norms ([Note: one summation order]): the blocks are for_blocks' blocks, so a pass that
+// walks them (the norms alone, or Adam reading each block's gradients) fills one slot each.
+class BlockSums {
+ public:
+  int init(const int64_t* numels, int count) {
+    try {
+      first_block_.resize(static_cast<size_t>(count) + 1);
+      first_block_[0] = 0;
+      for (int i = 0; i < count; ++i)
+        first_block_[i + 1] =
+            first_block_[i] + (std::max<int64_t>(numels[i], 0) + kBlock - 1) / kBlock;
+      sums_.resize(static_cast<size_t>(first_block_[count]));
+    } catch (const std::bad_alloc&) {
+      return kOutOfMemory;
+    }
+    return kOk;
+  }
+  template <class G>
+  void add(int i, const typename G::Raw* g, int64_t begin, int64_t end) {
+    sums_[first_block_[i] + begin / kBlock] = block_sum_of_squares<G>(g, begin, end);
+  }
+  void finish(int count, float* norms) const {
+    for (int i = 0; i < count; ++i) {
+      double sum = 0.0;
+      for (int64_t b = first_block_[i]; b < first_block_[i + 1]; ++b) sum += sums_[b];
+      norms[i] = static_cast<float>(std::sqrt(sum));
+    }
+  }
+
+ private:
+  std::vector<int64_t> first_block_;
+  std::vector<double> sums_;
+};
+
 template <class F>
 int with_grad_type(int dtype, F&& f) {
   switch (dtype) {
@@ -315,6 +350,9 @@ int cmo_cpu_has_avx2() {
 // null: the update is in place. grads_saved, when not null, holds for each tensor null or a
 // buffer of its gradient's dtype and size that receives the gradient as read, before any
 // division: what an undoable update needs of the gradients it overwrites or divides.
+// grad_norms, when not null, receives each gradient's fp32 L2 norm before any division, the
+// bits of cmo_cpu_norms, measured as each block is read (a speculative update measures the
+// gradients it consumes for the step's clipping check: one pass over them, not two).
 //
 // [Note: updates out of place] A speculative update (offload/speculation.py) must leave its
 // inputs as they were until the step knows it stands, so it writes the new fp32 values and
@@ -327,8 +365,10 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
                  void* const* grads_saved, const float* const* steps, const int64_t* numels, int count, int grad_dtype,
                  int state_dtype, int out_dtype, double lr, double beta1, double beta2,
                  double weight_decay, double eps, int decoupled, const float* grad_scale,
-                 int num_threads) {
+                 float* grad_norms, int num_threads) {
   if (count < 0 || num_threads < 1) return kBadArgument;
+  BlockSums sums;
+  if (grad_norms != nullptr && sums.init(numels, count) != kOk) return kOutOfMemory;
   std::vector<AdamScalars> scalars;
   try {
     scalars.reserve(static_cast<size_t>(count));
@@ -339,11 +379,15 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
     scalars.push_back(
         cmo::adam_scalars(lr, beta1, beta2, weight_decay, eps, decoupled != 0, *steps[i]));
   const bool large = large_call(numels, count);
-  return with_types(grad_dtype, state_dtype, out_dtype, [&](auto grad, auto state, auto out) {
+  const int status =
+      with_types(grad_dtype, state_dtype, out_dtype, [&](auto grad, auto state, auto out) {
     using G = decltype(grad);
     using S = decltype(state);
     using O = decltype(out);
     return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
+      // The block's gradients measured first (before any division): read again by the
+      // update from cache, not memory.
+      if (grad_norms != nullptr) sums.add<G>(i, as<G>(grads[i]), begin, end);
       float* p = static_cast<float*>(params[i]);
       typename S::Raw* m = as<S>(exp_avgs[i]);
       typename S::Raw* v = as<S>(exp_avg_sqs[i]);
@@ -356,6 +400,8 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
                           large);
     });
   });
+  if (status == kOk && grad_norms != nullptr) sums.finish(count, grad_norms);
+  return status;
 }
 
 // One SGD step over `count` tensors; momentum_buffers is only read when momentum != 0, and
@@ -387,30 +433,16 @@ int cmo_cpu_sgd(void* const* params, void* const* grads, void* const* momentum_b
 int cmo_cpu_norms(void* const* tensors, const int64_t* numels, int count, int dtype,
                   float* norms, int num_threads) {
   if (count < 0 || num_threads < 1) return kBadArgument;
-  std::vector<int64_t> first_block;
-  std::vector<double> block_sums;
-  try {
-    first_block.resize(static_cast<size_t>(count) + 1);
-    first_block[0] = 0;
-    for (int i = 0; i < count; ++i)
-      first_block[i + 1] = first_block[i] + (std::max<int64_t>(numels[i], 0) + kBlock - 1) / kBlock;
-    block_sums.resize(static_cast<size_t>(first_block[count]));
-  } catch (const std::bad_alloc&) {
-    return kOutOfMemory;
-  }
+  BlockSums sums;
+  if (sums.init(numels, count) != kOk) return kOutOfMemory;
   const int status = with_grad_type(dtype, [&](auto type) {
     using G = decltype(type);
     return for_blocks(numels, count, num_threads, [&](int i, int64_t begin, int64_t end) {
-      block_sums[first_block[i] + begin / kBlock] =
-          block_sum_of_squares<G>(static_cast<const typename G::Raw*>(tensors[i]), begin, end);
+      sums.add<G>(i, static_cast<const typename G::Raw*>(tensors[i]), begin, end);
     });
   });
   if (status != kOk) return status;
-  for (int i = 0; i < count; ++i) {
-    double sum = 0.0;
-    for (int64_t b = first_block[i]; b < first_block[i + 1]; ++b) sum += block_sums[b];
-    norms[i] = static_cast<float>(std::sqrt(sum));
-  }
+  sums.finish(count, norms);
   return kOk;
 }
 
