@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels import host_optim
 from kernels.host_optim import NewStates
 
 SLICE_ELEMENTS = 1 << 18  # fp32 temporaries of 1 MiB each
@@ -57,6 +58,7 @@ def frozen_variance_adam_(
     params_out: Sequence[torch.Tensor] | None = None,
     new_states: NewStates | None = None,
     grads_saved: Sequence[torch.Tensor | None] | None = None,
+    grad_norms: torch.Tensor | None = None,
     num_threads: int | None = None,
 ) -> None:
     """One Adam (``decoupled``: AdamW) step in place that reads ``exp_avg_sqs`` and leaves them
@@ -65,7 +67,7 @@ def frozen_variance_adam_(
     earlier frozen ones (a parameter's step count, not the compressor's, so a run resumed from
     a checkpoint without the compressor's count still corrects by its own last exact step). Gradients are divided
     by ``grad_scale`` (not in place) and widened to fp32; 16-bit states and ``params_out`` are
-    rounded to nearest-even when stored. ``num_threads`` is torch's (unused here).
+    rounded to nearest-even when stored. ``num_threads``: the norms' (torch's for the rest).
 
     Elements whose second moment is 0 take no step from their moments (the module's note).
 
@@ -75,13 +77,17 @@ def frozen_variance_adam_(
 
     ``new_states`` (an update out of place, as the host kernels take it): the inputs are
     copied there and updated, and stay as they were. ``grads_saved``: for each gradient, None or
-    a tensor that receives it as it is before the update (the host kernels' argument)."""
+    a tensor that receives it as it is before the update; ``grad_norms``: each gradient's norm
+    before the update, the bits of :func:`kernels.host_optim.norms` (the host kernels'
+    arguments)."""
     if amsgrad or maximize or max_exp_avg_sqs or found_inf is not None:
         raise ValueError(
             "the frozen-variance update supports neither amsgrad, maximize nor found_inf"
         )
     if steps_frozen < 1:
         raise ValueError(f"steps_frozen must be >= 1 (this step is frozen), got {steps_frozen}")
+    if grad_norms is not None:
+        grad_norms.copy_(torch.stack(host_optim.norms(grads, num_threads)))
     if grads_saved is not None:
         saves = [(t, g) for t, g in zip(grads_saved, grads, strict=True) if t is not None]
         torch._foreach_copy_([t for t, _g in saves], [g for _t, g in saves])

@@ -16,6 +16,7 @@ import chunkmem
 from chunkmem import frozen_adam
 from chunkmem.chunk import ChunkKind
 from chunkmem.frozen_adam import frozen_variance_adam_
+from kernels import host_optim
 from kernels.host_optim import NewStates
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
 from tests.test_checkpoints import moments
@@ -77,7 +78,8 @@ def test_update_equals_the_papers_reference(decoupled, grad_dtype, monkeypatch) 
 
 def test_an_update_out_of_place_equals_the_one_in_place() -> None:
     """With ``new_states`` (a speculative update: offload/speculation.py) the inputs stay as
-    they were and the outputs hold the bits of the update in place."""
+    they were and the outputs hold the bits of the update in place; the gradients it read are
+    saved and measured as the host kernels do."""
     g = torch.Generator().manual_seed(4)
     sizes = [100, 7]
     inputs = [[torch.randn(n, generator=g) for n in sizes] for _ in range(2)]
@@ -87,12 +89,15 @@ def test_an_update_out_of_place_equals_the_one_in_place() -> None:
     in_place = [[t.clone() for t in ts] for ts in inputs]
     new = NewStates(*([torch.full_like(t, float("nan")) for t in ts] for ts in inputs))
     saved = [torch.full_like(grads[0], float("nan")), None]
-    for states, out, saves in ((in_place, None, None), (inputs, new, saved)):
+    norms = torch.full((2,), float("nan"))
+    for states, out, saves, measured in ((in_place, None, None, None), (inputs, new, saved, norms)):
         frozen_variance_adam_(
             states[0], grads, states[1], states[2], [], [torch.tensor(9.0)] * 2, **HYPER,
             decoupled=True, steps_frozen=2, new_states=out, grads_saved=saves,
+            grad_norms=measured,
         )  # fmt: skip
     assert torch.equal(saved[0], grads[0]), "the gradient saved as the update read it"
+    assert torch.equal(norms, torch.stack(host_optim.norms(grads))), "the host kernels' norms"
     for before, after in zip(kept, inputs, strict=True):
         assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
     for want, got in zip(in_place, new, strict=True):
