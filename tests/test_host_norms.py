@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kernels import host_optim
+from tests.test_host_optim import ADAM, State, host_adam_step
 
 BLOCK, LANES = 1 << 15, 32
 # 1..33: all tail or one vector step and a tail; 100_003: several blocks (and the parallel
@@ -102,16 +103,13 @@ def test_bad_arguments_are_named(tensors, error, match):
         host_optim.norms(tensors)
 
 
-def _adam_step(grads: list[torch.Tensor], threads: int, **kwargs) -> list[torch.Tensor]:
-    """One AdamW step over fresh states for ``grads``; the parameters after it."""
-    params = [torch.linspace(-1, 1, g.numel()) for g in grads]
-    moments = [[torch.zeros(g.numel()) for g in grads] for _ in range(2)]
-    steps = [torch.tensor(1.0) for _ in grads]
-    host_optim.fused_adamw_(
-        params, grads, *moments, [], steps, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-        weight_decay=0.01, num_threads=threads, **kwargs,
-    )  # fmt: skip
-    return params
+def _adam_step(grads: list[torch.Tensor], threads: int, **kwargs) -> State:
+    """One AdamW step (``tests.test_host_optim``'s) over fresh states for ``grads``."""
+    state = State.random([g.numel() for g in grads], 2, torch.float32)
+    host_adam_step(
+        state, grads, decoupled=True, num_threads=threads, weight_decay=0.01, **ADAM, **kwargs
+    )
+    return state
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -127,16 +125,16 @@ def test_an_update_measures_the_norms_of_what_it_reads_with_the_norms_bits(dtype
     alone = _adam_step([t.clone() for t in tensors], threads, grad_scale=grad_scale)
     fused = _adam_step(tensors, threads, grad_scale=grad_scale, grad_norms=measured)
     assert torch.equal(measured, expected)
-    assert all(torch.equal(a, b) for a, b in zip(fused, alone, strict=True))
+    fused.assert_same(alone, "the update measuring its gradients")
 
 
 def test_a_skipped_update_still_measures_the_norms():
     tensors = _tensors(torch.bfloat16, 4)
     measured = torch.full((len(tensors),), float("nan"))
-    before = [torch.linspace(-1, 1, t.numel()) for t in tensors]
+    before = State.random([t.numel() for t in tensors], 2, torch.float32)
     after = _adam_step(tensors, 1, found_inf=torch.tensor(1.0), grad_norms=measured)
     assert torch.equal(measured, torch.stack(host_optim.norms(tensors)))
-    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    after.assert_same(before, "a skipped step")
 
 
 @pytest.mark.parametrize(
