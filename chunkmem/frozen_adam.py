@@ -87,7 +87,7 @@ def frozen_variance_adam_(
     if steps_frozen < 1:
         raise ValueError(f"steps_frozen must be >= 1 (this step is frozen), got {steps_frozen}")
     if grad_norms is not None:
-        grad_norms.copy_(torch.stack(host_optim.norms(grads, num_threads)))
+        host_optim.norms(grads, num_threads, out=grad_norms)
     if grads_saved is not None:
         saves = [(t, g) for t, g in zip(grads_saved, grads, strict=True) if t is not None]
         torch._foreach_copy_([t for t, _g in saves], [g for _t, g in saves])

@@ -28,29 +28,27 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from kernels._build import BuildError
 from kernels._native import CPU_FLAGS, DTYPE_CODES, build_and_load_cpu
+from kernels.host_optim_checks import (
+    NewStates,
+    check_adam,
+    check_norms_in,
+    check_norms_out,
+    check_sgd,
+    skipped,
+    thread_count,
+)
 
-
-class NewStates(NamedTuple):
-    """Where an update out of place writes: the new fp32 parameters and the new moments, one
-    tensor for each input tensor, of its size and dtype (the inputs are only read)."""
-
-    params: Sequence[torch.Tensor]
-    exp_avgs: Sequence[torch.Tensor]
-    exp_avg_sqs: Sequence[torch.Tensor]
+__all__ = ["NewStates", "fused_adam_", "fused_adamw_", "fused_sgd_", "load_library", "norms"]
 
 
 # -fno-math-errno lets sqrtf be one instruction (no errno branch); it changes no result.
 HOST_OPTIM_FLAGS = [*CPU_FLAGS, "-fno-math-errno"]
 
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-STATE_DTYPES = (torch.float32, torch.bfloat16)
-OUT_DTYPES = (torch.bfloat16, torch.float16)
 _NO_OUT = -1
 _STATUS = {1: "invalid argument", 2: "out of memory"}
 
@@ -215,19 +213,19 @@ def fused_sgd_(
     ``is_first_step`` makes each buffer start as its (decayed) gradient, whatever it held.
     Other arguments as :func:`fused_adamw_`.
     """
-    if maximize:
-        raise ValueError("maximize=True is not supported by the host optimizer; negate the loss")
-    if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError(
-            f"Nesterov momentum requires momentum > 0 and dampening 0, got momentum={momentum}, "
-            f"dampening={dampening} (as torch.optim.SGD)"
-        )
-    count = _check_params(params, grads, params_out)
     buffers = list(momentum_buffer_list) if momentum != 0 else []
-    if momentum != 0:
-        _check_states("momentum_buffer_list", buffers, params)
-    threads = _threads(num_threads)
-    if _skipped(grad_scale, found_inf) or count == 0:
+    count = check_sgd(
+        params,
+        grads,
+        buffers,
+        params_out,
+        momentum=momentum,
+        dampening=dampening,
+        nesterov=nesterov,
+        maximize=maximize,
+    )
+    threads = thread_count(num_threads)
+    if skipped(grad_scale, found_inf) or count == 0:
         return
     state_dtype = buffers[0].dtype if buffers else torch.float32
     _library().call(
@@ -277,34 +275,25 @@ def _adam(
     num_threads,
     decoupled: bool,
 ) -> None:
-    if amsgrad or len(max_exp_avg_sqs):
-        raise ValueError("amsgrad is not supported by the host optimizer; use amsgrad=False")
-    if maximize:
-        raise ValueError("maximize=True is not supported by the host optimizer; negate the loss")
-    count = _check_params(params, grads, params_out)
-    _check_states("exp_avgs", exp_avgs, params)
-    _check_states("exp_avg_sqs", exp_avg_sqs, params)
-    if count and exp_avgs[0].dtype != exp_avg_sqs[0].dtype:
-        raise TypeError(
-            f"exp_avgs are {exp_avgs[0].dtype} but exp_avg_sqs are {exp_avg_sqs[0].dtype}; "
-            f"both states must have one dtype"
-        )
-    _check_steps(state_steps, count)
-    if new_states is not None:
-        _check_new_states(new_states, params, exp_avgs)
-        if found_inf is not None:
-            raise ValueError(
-                "found_inf with new_states: a skipped step would leave the new states unwritten; "
-                "check for infinities before an update out of place"
-            )
-    if grads_saved is not None:
-        _check_saved(grads_saved, grads)
-    if grad_norms is not None:
-        _check_norms_out(grad_norms, count)
-    threads = _threads(num_threads)
-    if _skipped(grad_scale, found_inf) or count == 0:
-        if grad_norms is not None and count:
-            grad_norms.copy_(torch.stack(norms(grads, threads)))
+    count = check_adam(
+        params=params,
+        grads=grads,
+        exp_avgs=exp_avgs,
+        exp_avg_sqs=exp_avg_sqs,
+        max_exp_avg_sqs=max_exp_avg_sqs,
+        state_steps=state_steps,
+        amsgrad=amsgrad,
+        maximize=maximize,
+        found_inf=found_inf,
+        params_out=params_out,
+        new_states=new_states,
+        grads_saved=grads_saved,
+        grad_norms=grad_norms,
+    )
+    threads = thread_count(num_threads)
+    if skipped(grad_scale, found_inf) or count == 0:
+        if grad_norms is not None:
+            norms(grads, threads, out=grad_norms)
         return
     outputs = (params, exp_avgs, exp_avg_sqs) if new_states is None else new_states
     saved = [t for t in grads_saved or () if t is not None]
@@ -343,20 +332,25 @@ def _adam(
     )
 
 
-def norms(tensors: Sequence[torch.Tensor], num_threads: int | None = None) -> list[torch.Tensor]:
+def norms(
+    tensors: Sequence[torch.Tensor],
+    num_threads: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
     """The fp32 L2 norm of each tensor, as 0-dim tensors (what ``torch._foreach_norm(tensors,
     2, dtype=torch.float32)`` returns), in one pass at memory speed (torch's bf16 norm runs at a
     third of it on one core). One summation order (host_optim_cpu.cpp, [Note: one summation
-    order]): every build and thread count gives the same bits, which are not torch's."""
-    for i, t in enumerate(tensors):
-        _check_tensor("tensors", i, t, GRAD_DTYPES)
-        if t.dtype != tensors[0].dtype:
-            raise TypeError(
-                f"tensors[{i}] has dtype {t.dtype} but tensors[0] has {tensors[0].dtype}; one "
-                f"call takes one dtype"
-            )
-    threads = _threads(num_threads)
-    out = torch.empty(len(tensors), dtype=torch.float32)
+    order]): every build and thread count gives the same bits, which are not torch's.
+
+    ``out``: an fp32 CPU tensor of one element per tensor to write them into (the returned
+    tensors are its elements)."""
+    check_norms_in(tensors)
+    threads = thread_count(num_threads)
+    if out is None:
+        out = torch.empty(len(tensors), dtype=torch.float32)
+    else:
+        check_norms_out(out, len(tensors), name="out", of="tensors")
     if tensors:
         _library().call(
             "norms",
@@ -367,131 +361,8 @@ def norms(tensors: Sequence[torch.Tensor], num_threads: int | None = None) -> li
             out.data_ptr(),
             threads,
         )
+        _mark_modified([out])
     return list(out.unbind())
-
-
-# ---- argument checks ----
-
-
-def _check_tensor(name: str, index: int, t: object, dtypes: Sequence[torch.dtype]) -> None:
-    """One tensor's checks. About a thousand a step run on the host update's thread, beside
-    backward, so each reads cheap attributes (``is_cpu`` costs a fifth of ``device.type``)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}[{index}] is a {type(t).__name__}, not a tensor")
-    if not t.is_cpu:
-        raise ValueError(
-            f"{name}[{index}] is on {t.device}; the host optimizer runs on CPU tensors only "
-            f"(use torch's fused kernel for device tensors)"
-        )
-    if t.dtype not in dtypes:
-        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name}[{index}] has dtype {t.dtype}; expected one of {allowed}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name}[{index}] is not contiguous; pass a contiguous tensor or view")
-
-
-def _check_list(
-    name: str, tensors: Sequence[torch.Tensor], params: Sequence[torch.Tensor], dtypes
-) -> None:
-    """Each tensor is on the CPU, contiguous, of one allowed dtype for the whole list, and has
-    the numel of its parameter."""
-    if len(tensors) != len(params):
-        raise ValueError(f"{name} has {len(tensors)} tensors but params has {len(params)}")
-    for i, (t, p) in enumerate(zip(tensors, params, strict=True)):
-        _check_tensor(name, i, t, dtypes)
-        if t.dtype != tensors[0].dtype:
-            raise TypeError(
-                f"{name}[{i}] has dtype {t.dtype} but {name}[0] has {tensors[0].dtype}; one call "
-                f"takes one dtype per list"
-            )
-        if t.numel() != p.numel():
-            raise ValueError(
-                f"{name}[{i}] has {t.numel()} elements but params[{i}] has {p.numel()}"
-            )
-
-
-def _check_params(params, grads, params_out) -> int:
-    for i, p in enumerate(params):
-        _check_tensor("params", i, p, (torch.float32,))
-    _check_list("grads", grads, params, GRAD_DTYPES)
-    if params_out is not None and len(params_out):
-        _check_list("params_out", params_out, params, OUT_DTYPES)
-    return len(params)
-
-
-def _check_states(name: str, states: Sequence[torch.Tensor], params) -> None:
-    _check_list(name, states, params, STATE_DTYPES)
-
-
-def _check_new_states(new_states: NewStates, params, exp_avgs) -> None:
-    """The outputs of an update out of place: shaped like the inputs, of their dtypes."""
-    if not isinstance(new_states, NewStates):
-        raise TypeError(f"new_states must be a NewStates, got {type(new_states).__name__}")
-    _check_list("new_states.params", new_states.params, params, (torch.float32,))
-    dtype = exp_avgs[0].dtype if exp_avgs else torch.float32
-    _check_list("new_states.exp_avgs", new_states.exp_avgs, params, (dtype,))
-    _check_list("new_states.exp_avg_sqs", new_states.exp_avg_sqs, params, (dtype,))
-
-
-def _check_saved(grads_saved: Sequence[torch.Tensor | None], grads) -> None:
-    """Where gradients are saved: None, or a tensor like the gradient (dtype and size)."""
-    if len(grads_saved) != len(grads):
-        raise ValueError(f"grads_saved has {len(grads_saved)} entries but grads has {len(grads)}")
-    for i, (t, g) in enumerate(zip(grads_saved, grads, strict=True)):
-        if t is None:
-            continue
-        _check_tensor("grads_saved", i, t, (g.dtype,))
-        if t.numel() != g.numel():
-            raise ValueError(
-                f"grads_saved[{i}] has {t.numel()} elements but grads[{i}] has {g.numel()}"
-            )
-
-
-def _check_norms_out(grad_norms: object, count: int) -> None:
-    """Where the gradients' norms go: one fp32 element per gradient, contiguous, on the CPU."""
-    _check_tensor("grad_norms", 0, grad_norms, (torch.float32,))
-    assert isinstance(grad_norms, torch.Tensor)
-    if grad_norms.numel() != count:
-        raise ValueError(f"grad_norms has {grad_norms.numel()} elements but grads has {count}")
-
-
-def _check_scalar(name: str, t: object) -> None:
-    if (
-        not isinstance(t, torch.Tensor)
-        or not t.is_cpu
-        or t.dtype != torch.float32
-        or t.numel() != 1
-    ):
-        what = (
-            f"{t.dtype} tensor of {t.numel()} elements on {t.device}"
-            if isinstance(t, torch.Tensor)
-            else type(t).__name__
-        )
-        raise TypeError(f"{name} must be a one-element float32 CPU tensor, got a {what}")
-
-
-def _check_steps(steps: Sequence[torch.Tensor], count: int) -> None:
-    if len(steps) != count:
-        raise ValueError(f"state_steps has {len(steps)} tensors but params has {count}")
-    for i, s in enumerate(steps):
-        _check_scalar(f"state_steps[{i}]", s)
-
-
-def _threads(num_threads: int | None) -> int:
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    if not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"num_threads must be a positive int, got {num_threads!r}")
-    return threads
-
-
-def _skipped(grad_scale, found_inf) -> bool:
-    """Whether torch's kernel would skip the step (found_inf == 1); checks both scalars."""
-    if grad_scale is not None:
-        _check_scalar("grad_scale", grad_scale)
-    if found_inf is None:
-        return False
-    _check_scalar("found_inf", found_inf)
-    return float(found_inf) == 1.0
 
 
 # ---- ctypes ----

@@ -103,6 +103,18 @@ def test_bad_arguments_are_named(tensors, error, match):
         host_optim.norms(tensors)
 
 
+def test_norms_write_into_out_and_return_its_elements():
+    tensors = _tensors(torch.bfloat16, 6)
+    out = torch.full((len(tensors),), float("nan"))
+    version = out._version
+    returned = host_optim.norms(tensors, num_threads=1, out=out)
+    assert out.tolist() == [reference_norm(t) for t in tensors]
+    assert all(r.data_ptr() == out[i].data_ptr() for i, r in enumerate(returned))
+    assert out._version > version, "autograd sees the write, as with an in-place op"
+    with pytest.raises(ValueError, match=r"out has 2 elements but tensors has 7"):
+        host_optim.norms(tensors, out=torch.zeros(2))
+
+
 def _adam_step(grads: list[torch.Tensor], threads: int, **kwargs) -> State:
     """One AdamW step (``tests.test_host_optim``'s) over fresh states for ``grads``."""
     state = State.random([g.numel() for g in grads], 2, torch.float32)
