@@ -168,9 +168,9 @@ class ChunkAdam:
                     if early is None:
                         self.layouts_updated += 1
                     update = self.updates.prepare(layout, pieces, divisor)
-                    if position + 1 < len(layouts):
-                        self.states.prefetch(layouts[position + 1])
                     try:
+                        if position + 1 < len(layouts):
+                            self.states.prefetch(layouts[position + 1])
                         update.run()
                     except BaseException:
                         update.finish(completed=False)
@@ -221,7 +221,7 @@ class ChunkAdam:
         if snapshot is not None:
             snapshot.attach(update)
         # The step's norm check needs these gradients, which the run consumes: the run
-        # measures them first, on its own thread (``_grad_norms`` waits for it).
+        # measures them as it reads them, on its own thread (``_grad_norms`` waits for it).
         update.measure_grad_norms = True
         self.layouts_updated += 1
         self.launched[layout.index] = update

@@ -171,6 +171,28 @@ def test_a_step_that_fails_half_way_stops_the_engine_and_says_why(monkeypatch) -
         engine(*data[2])
 
 
+def test_a_step_whose_read_ahead_fails_releases_the_prepared_update(monkeypatch) -> None:
+    """The next group's states are read ahead (NVMe) between preparing a group's update and
+    running it: a failed read releases what the prepared update pinned, at once."""
+    engine = make_engine()
+    data = batches()
+    engine.backward(engine(*data[0]))
+    engine.step()
+
+    def read_fails(layout) -> None:
+        raise OSError("injected read-ahead failure")
+
+    monkeypatch.setattr(engine.optimizer.states, "prefetch", read_fails)
+    engine.backward(engine(*data[1]))
+    with pytest.raises(OSError, match="injected read-ahead failure") as failure:
+        engine.step()
+    # Held while the traceback (which keeps the step's frame) lives: the release must not
+    # wait for the garbage collector.
+    assert nothing_held(engine), failure.traceback
+    with pytest.raises(EngineUsageError, match=r"failed after it began updating 1 chunk group"):
+        engine(*data[2])
+
+
 # ---------------------------------------------------------------- two ranks
 DISTRIBUTED = pytest.mark.distributed
 
