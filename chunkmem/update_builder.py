@@ -58,9 +58,10 @@ class Staged:
     outs: list[torch.Tensor] | None = None
 
 
-def _only(call: Callable[[], None], measure: bool) -> KernelCalls:
-    """One call that reads its gradients itself (torch's kernel, on the engine's thread); it
-    measures no norms (early updates, which do, run the native kernel)."""
+def _only(call: Callable[[], None], _measure: bool) -> KernelCalls:
+    """One call that reads its gradients itself (torch's kernel, on the engine's thread). It
+    takes ``build``'s argument but measures no norms: the early updates, the only ones that
+    ask, run the native kernel."""
     return KernelCalls([call], [])
 
 
