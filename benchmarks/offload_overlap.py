@@ -85,6 +85,17 @@ The keys:
   alone-time is done by backward's end and the rest, at least U - B / r, follows it: the
   overlapped step is at least T_serial - B / r long. The plain runs' bound (the clipped ones'
   is in ``details.emulation``); null where not pinned. A GPU does not slow its host: there r is 1.
+- ``update_hidden_fraction_dependency_bound``: 1 minus the share of the update's elements in
+  the chunk group that holds the token embedding. Its gradient (tied to the head's) completes
+  in the embedding's backward, backward's last operation, so that group's update starts only
+  when backward ends, on any machine: the most an overlap at this chunk size can hide. The
+  model's structure and the chunk size decide it; no timing does.
+
+[Note: depth] Each chunk group's update costs the engine's thread the same Python whatever
+its size, and the embedding's group is about 1/N_LAYER of the update, so a deeper model of the
+same width hides more (GPT-2 small has 12 blocks, a 7B 32, a 70B 80). The full run also pairs
+the engines on DEEPER_N_LAYER blocks, plain and clipped, once each, at the same tokens per step
+(``details.deeper_model``), to show how much of the unhidden update is that share.
 """
 
 from __future__ import annotations
@@ -114,11 +125,13 @@ COMPUTE_CORE, HOST_CORE = 0, 1
 BLOCK = 8  # step pairs per ratio
 REPEATS = 3  # plain and clipped pairs in a full run, each on fresh engines
 ROLLBACK_EVERY = 6  # a step whose loss is scaled up so that clipping fires
-# A layout's update starts when its gradients are final: the first layer's (and the
-# embedding's) are final only when backward ends, so that group's update is never hidden and
-# 1/N_LAYER of the update bounds the hidden fraction. 8 layers (GPT-2 small has 12, a 7B 32,
-# a 70B 80); with 4 the plain overlap hid 0.58 of the update on the same machine.
+# A layout's update starts when its gradients are final: the embedding's chunk group (with
+# the first block's first parameters) is final only when backward ends, so its update is never
+# hidden and about 1/N_LAYER of the update bounds the hidden fraction (the key
+# update_hidden_fraction_dependency_bound). 8 layers (GPT-2 small has 12, a 7B 32, a 70B 80);
+# with 4 the plain overlap hid 0.58 of the update on the same machine. See the note on depth.
 N_LAYER = 8
+DEEPER_N_LAYER = 16
 TOKENS = (16, 32, 64, 128, 256)
 MIN_HOST_SHARE = 0.3
 CLIP = 1.0
@@ -343,16 +356,16 @@ def text_batches(tokens: int, count: int) -> list[tuple[torch.Tensor, torch.Tens
     return [(row[:, :-1], row[:, 1:]) for row in rows]
 
 
-def gpt_config(tokens: int) -> GPTConfig:
-    """The benchmark's GPT: byte vocabulary, N_LAYER blocks 512 wide."""
-    return GPTConfig(vocab_size=256, block_size=tokens, n_layer=N_LAYER, n_head=4, n_embd=512)
+def gpt_config(tokens: int, n_layer: int = N_LAYER) -> GPTConfig:
+    """The benchmark's GPT: byte vocabulary, ``n_layer`` blocks 512 wide."""
+    return GPTConfig(vocab_size=256, block_size=tokens, n_layer=n_layer, n_head=4, n_embd=512)
 
 
-def model_for(tokens: int, pretrain_steps: int = 0) -> GPT:
+def model_for(tokens: int, pretrain_steps: int = 0, n_layer: int = N_LAYER) -> GPT:
     """The GPT, trained ``pretrain_steps`` steps first in plain PyTorch (past the first
     steps' large gradients, as a run that has settled: see the module note on clipping)."""
     torch.manual_seed(0)
-    model = GPT(gpt_config(tokens))
+    model = GPT(gpt_config(tokens, n_layer))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     for x, y in text_batches(tokens, pretrain_steps):
         model(x, y).backward()
@@ -440,6 +453,7 @@ def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, cli
     serial, overlapped = (engines[n].state_dict() for n in ("serial", "overlapped"))
     summary = engines["overlapped"].run_summary()
     result = {
+        "update_hidden_fraction_dependency_bound": 1.0 - last_final_share(engines["serial"]),
         "samples": samples,
         "forced_steps": forced_steps,
         "identical": all(torch.equal(serial[k], overlapped[k]) for k in serial),
@@ -452,6 +466,20 @@ def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, cli
     return result
 
 
+def last_final_share(engine) -> float:
+    """The share of the update that waits for backward's last operation: the chunk group
+    holding the token embedding, whose gradient (tied to the head's) completes in the
+    embedding's backward, at the very end. No overlap at chunk granularity hides it, so at
+    most 1 minus this share of the update can be hidden (the model's structure and the chunk
+    size decide it; no timing of the engine does)."""
+    layouts = engine.manager.params.trainable_layouts()
+    total = sum(slot.numel for layout in layouts for slot in layout.slots)
+    last = next(
+        layout for layout in layouts if any(slot.name == "wte.weight" for slot in layout.slots)
+    )
+    return sum(slot.numel for slot in last.slots) / total
+
+
 def analyse(run: dict, clip: float) -> dict:
     """Hidden fraction and block ratios over the steps where clipping did not fire; the
     rollback ratio over the steps where it did."""
@@ -462,7 +490,9 @@ def analyse(run: dict, clip: float) -> dict:
     if not kept:
         return {"update_hidden_fraction": None, "steps_measured": 0, "steps_clipped": len(fired),
                 "step_time_ratio": {"median": None}, "rollback_step_time_ratio": None,
-                "median_step_s": None}  # fmt: skip
+                "median_step_s": None,
+                "update_hidden_fraction_dependency_bound":
+                    run["update_hidden_fraction_dependency_bound"]}  # fmt: skip
     t_over = statistics.median(o[0] for o, _s in kept)
     t_serial = statistics.median(s[0] for _o, s in kept)
     t_serial_fwd_bwd = statistics.median(s[1] for _o, s in kept)
@@ -489,6 +519,7 @@ def analyse(run: dict, clip: float) -> dict:
         "unhidden_s": unhidden(kept),
         "steps_measured": len(kept),
         "steps_clipped": len(fired),
+        "update_hidden_fraction_dependency_bound": run["update_hidden_fraction_dependency_bound"],
         "rollback_step_time_ratio": statistics.median(o[0] for o, _s in fired)
         / statistics.median(s[0] for _o, s in fired)
         if fired
@@ -599,16 +630,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             if pinned
             else None
         )
-        if not args.quick:  # the ablation (see the note on chunks)
+        if not args.quick:  # the ablations (see the notes on chunks and on depth)
             runs["plain_auto_chunks"] = run_pair(
                 model, tokens, steps, warmup, pinned, 0.0, "host", nvme, False, precision, "auto"
             )
+            deeper = model_for(tokens, pretrain_steps, DEEPER_N_LAYER)
+            for name, clip in (("plain_deeper", 0.0), ("clipped_deeper", CLIP)):
+                runs[name] = run_pair(
+                    deeper, tokens, steps, warmup, pinned, clip, "host", nvme, bool(clip),
+                    precision,
+                )  # fmt: skip
     plain_repeats = [analyse(run, 0.0) for run in repeated["plain"]]
     clipped_repeats = [analyse(run, CLIP) for run in repeated["clipped"]]
     plain = median_repeat(plain_repeats)
     clipped = median_repeat(clipped_repeats)
     on_nvme = analyse(runs["nvme"], CLIP)
     auto_chunks = analyse(runs["plain_auto_chunks"], 0.0) if "plain_auto_chunks" in runs else None
+    deeper_runs = {
+        name: analyse(runs[f"{name}_deeper"], clip)
+        for name, clip in (("plain", 0.0), ("clipped", CLIP))
+        if f"{name}_deeper" in runs
+    }
     clipped_run = repeated["clipped"][clipped_repeats.index(clipped)]
     demo_clips = (1.0,) if args.quick else (1.0, 0.5)  # 0.5 is reported beside the key
     demo = {clip: clipped_fraction(demo_steps, clip) for clip in demo_clips}
@@ -629,6 +671,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             1.0 / interference["ratio"] if interference is not None else None
         ),
         "update_hidden_fraction_host_bound": host_bound(plain, host_interference),
+        "update_hidden_fraction_dependency_bound": plain["update_hidden_fraction_dependency_bound"],
     }
     print(
         f"GPT {N_LAYER}x512, {precision}, {block_elements(model):,} elements a chunk (a block), {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
@@ -638,7 +681,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print_table(
         "overlapped vs serial (median step ms over the steps where clipping did not fire)",
-        ["run", "serial", "serial fwd+bwd", "overlapped", "hidden", "ratio", "clipped steps"],
+        [
+            "run",
+            "serial",
+            "serial fwd+bwd",
+            "overlapped",
+            "hidden",
+            "of at most",
+            "ratio",
+            "clipped",
+        ],
         [
             [
                 name,
@@ -647,6 +699,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     for k in ("serial", "serial_forward_backward", "overlapped")
                 ),
                 r["update_hidden_fraction"],
+                r["update_hidden_fraction_dependency_bound"],
                 r["step_time_ratio"]["median"],
                 r["steps_clipped"],
             ]
@@ -655,6 +708,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("clip 1.0", clipped),
                 ("clip 1.0, NVMe", on_nvme),
                 *((("plain, auto chunks", auto_chunks),) if auto_chunks else ()),
+                *((f"{name}, {DEEPER_N_LAYER} layers", r) for name, r in deeper_runs.items()),
             )
         ],  # fmt: skip
     )
@@ -685,6 +739,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "nvme_clipped": on_nvme,
         "chunk_size_elements": block_elements(model),
         "plain_auto_chunks": auto_chunks,
+        "deeper_model": {"n_layer": DEEPER_N_LAYER, **deeper_runs} if deeper_runs else None,
         "speculation": {
             k: clipped_run[k]
             for k in ("commits", "rollbacks", "started_in_backward", "forced_steps")

@@ -1,11 +1,20 @@
 """benchmarks/offload_overlap's arithmetic over its runs: the keys are medians over repeated
-runs, the table shows the median run, and the host-side bound is min(1, B / (r U))."""
+runs, the table shows the median run, the host-side bound is min(1, B / (r U)), and the
+dependency bound leaves out the chunk group whose gradients are final last."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.offload_overlap import host_bound, median_repeat, over_repeats
+from benchmarks.offload_overlap import (
+    build,
+    host_bound,
+    last_final_share,
+    median_repeat,
+    model_for,
+    over_repeats,
+    text_batches,
+)
 
 
 def analysis(ratio: float, hidden: float, rollback: float | None = None) -> dict:
@@ -40,3 +49,25 @@ def test_the_host_bound_is_backward_over_the_slowed_update() -> None:
     assert host_bound(run, {"ratio": 1.2}) == 1.0  # backward outlasts the slowed update
     assert host_bound(run, None) is None  # not pinned: nothing measured
     assert host_bound({"median_step_s": None}, {"ratio": 1.0}) is None
+
+
+def test_the_dependency_bound_leaves_out_the_group_final_last(tmp_path) -> None:
+    engine = build(model_for(16, n_layer=2), True, False, 0.0, "host", str(tmp_path), "fp32")
+    try:
+        finals = []
+        listener = engine.reducer.listener
+        announce = listener.final
+        listener.final = lambda layout: (finals.append(layout), announce(layout))
+        ((x, y),) = text_batches(16, 1)
+        engine.backward(engine(x, y))
+        engine.step()
+        layouts = engine.manager.params.trainable_layouts()
+        assert len(finals) == len(layouts) > 2
+        last = finals[-1]  # the embedding's group: final when backward ends
+        assert "wte.weight" in [slot.name for slot in last.slots]
+        total = sum(slot.numel for layout in layouts for slot in layout.slots)
+        share = sum(slot.numel for slot in last.slots) / total
+        assert last_final_share(engine) == share
+        assert 0 < share < 0.5
+    finally:
+        engine.close()
