@@ -58,6 +58,27 @@ class Staged:
     outs: list[torch.Tensor] | None = None
 
 
+class CopiedDown:
+    """A device's gradients being copied into host buffers on its copy stream, as a
+    :class:`~chunkmem.sharding.Waitable`: the update waits for it before its kernels read the
+    buffers, on whichever thread runs them, so the engine's thread does not block on the copy
+    (nor the compute stream behind it) in backward. The device views are held until then:
+    their memory must not be reused while the copy still reads it."""
+
+    def __init__(self, tier: StorageTier, events: list[object | None], sources: list[torch.Tensor]):
+        self._tier = tier
+        self._events = events
+        self._sources: list[torch.Tensor] | None = sources
+
+    def wait(self) -> None:
+        for event in self._events:
+            self._tier.wait(event)
+        self._sources = None
+
+    def is_completed(self) -> bool:
+        return all(self._tier.completed(event) for event in self._events)
+
+
 def _only(call: Callable[[], None], _measure: bool) -> KernelCalls:
     """One call that reads its gradients itself (torch's kernel, on the engine's thread). It
     takes ``build``'s argument but measures no norms: the early updates, the only ones that
@@ -149,7 +170,9 @@ class UpdateBuilder:
                 build: Callable[[bool], KernelCalls] = functools.partial(_only, torch_call)
                 after: list[Callable[[], None]] = []
             else:
-                staged, after = self._stage(chunks, pieces, work, stack)
+                staged, after = self._stage(
+                    chunks, pieces, work, stack, reads if defer_reads else None
+                )
                 build = functools.partial(
                     self._host_calls,
                     self._host_kernel(kernels),
@@ -197,10 +220,13 @@ class UpdateBuilder:
         pieces: list[Piece],
         work: StorageTier,
         stack: contextlib.ExitStack,
+        reads: list[Waitable] | None,
     ) -> tuple[Staged, list[Callable[[], None]]]:
         """The part of a host update's preparation that needs the engine's thread: each
-        piece's gradient, host buffers for a GPU's gradients (copied down now) and 16-bit
-        values (copied up by ``finish``), and what ``finish`` does after the kernels."""
+        piece's gradient, host buffers for a GPU's gradients and 16-bit values (copied up by
+        ``finish``), and what ``finish`` does after the kernels. A GPU's gradients are copied
+        down on its copy stream; the copies join ``reads`` (waited for by ``run``), or are
+        waited for now where it is None."""
         grad_source = self.grads.reducer.grad_source
         sources = [grad_source(s) for s, _lo, _hi in pieces]
         sizes = [hi - lo for _s, lo, hi in pieces]
@@ -211,7 +237,14 @@ class UpdateBuilder:
         after: list[Callable[[], None]] = []
         if not self.reads_grads_in_place(sources[0]):  # a GPU's gradients, copied down
             staged.grads = self._host_buffers(stack, sizes, grads[0].dtype, work, protect)
-            torch._foreach_copy_(staged.grads, grads)
+            device = self.residency.device
+            events = [device.to_host(g, b) for g, b in zip(grads, staged.grads, strict=True)]
+            copies = CopiedDown(work, events, grads)
+            stack.callback(copies.wait)  # no exit frees the buffers under a copy
+            if reads is None:
+                copies.wait()
+            else:
+                reads.append(copies)
         param = chunks[ChunkKind.PARAM]
         if mixed and param.payload is not None and param.payload.device.type != "cpu":
             # values copied up after

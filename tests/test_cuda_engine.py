@@ -267,3 +267,35 @@ def test_a_capacity_above_the_free_gpu_memory_is_refused_with_the_numbers() -> N
 
     gpu = gpu_memory(torch.cuda.current_device())
     assert gpu is not None and gpu.total_bytes >= free and 0 <= gpu.utilization_percent <= 100
+
+
+@pytest.mark.timeout(600)
+def test_host_updates_overlapped_with_backward_equal_the_serial_ones_on_the_gpu() -> None:
+    """States on the host, bf16: each group's gradients are copied down on the side stream
+    (delayed on purpose) and the host update waits for them, in ``step()`` (serial) or on the
+    host thread in backward (overlapped); both give the same bits."""
+    model = GPT(CONFIG)
+    data = token_batches(6, batch=2, seq=CONFIG.block_size, vocab=CONFIG.vocab_size)
+    states, copied = {}, {}
+    for overlap in (False, True):
+        gc.collect()
+        engine = chunkmem.initialize(
+            copy.deepcopy(model),
+            config={
+                "precision": "bf16",
+                "device": {"type": "cuda"},
+                "optimizer": {"lr": LR},
+                "offload": {"optimizer": "host", "overlap": overlap},
+            },
+        )
+        copies = delay_every_copy(engine.residency.device, COPY_DELAY_CYCLES)
+        train_engine(engine, data)
+        torch.cuda.synchronize()
+        states[overlap] = engine.state_dict()
+        copied[overlap] = copies["to_host"]
+        if overlap:
+            assert engine.reducer.listener.started >= len(data) - 2
+        engine.close()
+    assert copied[False] > 0 and copied[True] > 0, "the gradients went through host buffers"
+    for name, value in states[False].items():
+        assert torch.equal(states[True][name], value), name

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import chunkmem
-from chunkmem.devices import DeferredCopy
+from chunkmem.devices import DeferredCopy, SimulatedDevice
 from chunkmem.errors import ConfigError, EngineUsageError
+from chunkmem.update_builder import UpdateBuilder
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from tests.offload_helpers import (
     batches,
@@ -144,6 +145,20 @@ def test_states_on_nvme_under_a_host_budget_smaller_than_the_states_match_torch_
     assert not root.exists() and list(tmp_path.iterdir()) == [], "close removes the files"
 
 
+def record_deferred_copies(monkeypatch) -> list[str]:
+    """The names of the threads that run deferred copies (a list filled as they run)."""
+    copied_on: list[str] = []
+    wait = DeferredCopy.wait
+
+    def recording_wait(self: DeferredCopy) -> None:
+        if not self.is_completed():
+            copied_on.append(threading.current_thread().name)
+        wait(self)
+
+    monkeypatch.setattr(DeferredCopy, "wait", recording_wait)
+    return copied_on
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("where", ["host", "nvme"])
 def test_the_overlapped_step_equals_the_serial_step_bit_for_bit(
@@ -175,15 +190,7 @@ def test_fp32_early_updates_copy_their_chunks_off_the_device_on_the_host_thread(
     """fp32 training updates the parameter chunk itself on the host: an early update's moves
     of it and its gradients are left to the update's thread, which copies before it reads
     (chunkmem/devices.py, [Note: copies a reader runs]); backward's thread copies nothing."""
-    copied_on: list[str] = []
-    wait = DeferredCopy.wait
-
-    def recording_wait(self: DeferredCopy) -> None:
-        if not self.is_completed():
-            copied_on.append(threading.current_thread().name)
-        wait(self)
-
-    monkeypatch.setattr(DeferredCopy, "wait", recording_wait)
+    copied_on = record_deferred_copies(monkeypatch)
     data = batches(6, rows=8)
     engine = initialize(
         make_model(),
@@ -197,6 +204,45 @@ def test_fp32_early_updates_copy_their_chunks_off_the_device_on_the_host_thread(
     assert started >= len(data) - 2
     assert len(copied_on) >= 2 * started, "the parameter and gradient chunk of each update"
     assert all(name.startswith("chunkmem-host-step") for name in copied_on), set(copied_on)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gpus_gradients_are_copied_down_for_the_reader_and_give_the_same_bits(
+    overlap: bool, monkeypatch
+) -> None:
+    """On a GPU, bf16 gradients are copied into host buffers for the host update, on the copy
+    stream: the update's thread waits for the copies before its kernels read them, and
+    backward's thread does not block on them. Emulated here: the gradients are taken as not
+    readable in place, and each copy is left to its first waiter (a copy engine's event that
+    only a wait completes). A kernel that read a buffer before its copy would read zeros."""
+    data = batches(6, rows=8)
+    reference = initialize(make_model(), precision="bf16", device=DEVICE,
+                           offload={"optimizer": "host", "overlap": False})  # fmt: skip
+    train_engine(reference, data)
+    expected = reference.state_dict()
+    reference.close()
+
+    copied_on = record_deferred_copies(monkeypatch)
+
+    def to_host_on_a_copy_engine(self, device_tensor, host):
+        host.zero_()
+        return DeferredCopy(host, device_tensor)
+
+    monkeypatch.setattr(SimulatedDevice, "to_host", to_host_on_a_copy_engine)
+    monkeypatch.setattr(UpdateBuilder, "reads_grads_in_place", staticmethod(lambda _source: False))
+    engine = initialize(make_model(), precision="bf16", device=DEVICE,
+                        offload={"optimizer": "host", "overlap": overlap})  # fmt: skip
+    train_engine(engine, data)
+    state = engine.state_dict()
+    started = engine.reducer.listener.started if overlap else 0
+    engine.close()
+    for name, value in expected.items():
+        assert torch.equal(state[name], value), name
+    assert copied_on, "the gradients went through the host buffers"
+    if overlap:
+        assert started >= len(data) - 2
+        host_thread = [n for n in copied_on if n.startswith("chunkmem-host-step")]
+        assert len(host_thread) >= started, "each early update copies its own gradients"
 
 
 def test_the_overlapped_norm_check_sees_the_serial_norm_and_stops_on_nan() -> None:
