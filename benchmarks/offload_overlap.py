@@ -67,7 +67,8 @@ The keys:
 - ``rollback_step_time_ratio_vs_serial``: on steps where clipping is forced (the loss scaled
   up every ROLLBACK_EVERY steps), the overlapped step (speculate, undo, update serially) over
   the serial one;
-- ``nvme_update_hidden_fraction_clipped``: states on the NVMe tier, clipped;
+- ``nvme_update_hidden_fraction_clipped``: states on the NVMe tier (at its default block
+  size), clipped;
 - ``clipped_step_fraction``: how often clipping fires in practice: the 300-step
   ``chunkmem train`` demo run at clip 1.0 (and 0.5 beside it);
 - ``step_time_ratio_overlapped_vs_serial``: the plain runs' ratio, at the stated regime;
@@ -96,11 +97,20 @@ its size, and the embedding's group is about 1/N_LAYER of the update, so a deepe
 same width hides more (GPT-2 small has 12 blocks, a 7B 32, a 70B 80). The full run also pairs
 the engines on DEEPER_N_LAYER blocks, plain and clipped, once each, at the same tokens per step
 (``details.deeper_model``), to show how much of the unhidden update is that share.
+
+[Note: NVMe] Each block of a transfer is one job of the tier's I/O threads, and a write copies
+its blocks into four shared buffers on the calling thread: the engine's, which in an overlapped
+step writes a group's states back in backward. The NVMe runs use the tier's default block
+(``offload.nvme.block_size``, 4 MiB: what a user gets); runs until this note used 64 KiB
+blocks, about 11,600 jobs a step whose Python and waits (2.3 s steps against 0.6 s) made the
+overlapped NVMe step slower than the serial one (hidden -0.20). The full run keeps that
+setting as the ablation (``details.nvme_clipped_small_blocks``, NVME_SMALL_BLOCK_STEPS steps).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import os
 import statistics
@@ -119,6 +129,7 @@ from benchmarks._common import parse_args, print_table, write_results
 from benchmarks._measured_code import python_command
 from benchmarks._timing import median_seconds
 from chunkmem.cli.data import stdlib_text
+from chunkmem.config import NvmeConfig
 from chunkmem.models.gpt import GPT, GPTConfig
 
 COMPUTE_CORE, HOST_CORE = 0, 1
@@ -132,6 +143,10 @@ ROLLBACK_EVERY = 6  # a step whose loss is scaled up so that clipping fires
 # with 4 the plain overlap hid 0.58 of the update on the same machine. See the note on depth.
 N_LAYER = 8
 DEEPER_N_LAYER = 16
+# The NVMe tier's block size in the full run's ablation (see the note on NVMe); the keyed run
+# uses the tier's default.
+NVME_SMALL_BLOCK = 64 << 10
+NVME_SMALL_BLOCK_STEPS = 12
 TOKENS = (16, 32, 64, 128, 256)
 MIN_HOST_SHARE = 0.3
 CLIP = 1.0
@@ -156,8 +171,10 @@ def block_elements(model: GPT) -> int:
 
 
 def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str, precision: str,
-          chunk_size: int | str | None = None):  # fmt: skip
-    """An engine on a copy of ``model``; ``chunk_size`` None: one block per chunk."""
+          chunk_size: int | str | None = None, nvme_block: int | None = None):  # fmt: skip
+    """An engine on a copy of ``model``; ``chunk_size`` None: one block per chunk;
+    ``nvme_block`` None: the NVMe tier's default block size (see the note on NVMe)."""
+    nvme = {"path": path} if nvme_block is None else {"path": path, "block_size": nvme_block}
     engine = chunkmem.initialize(
         copy.deepcopy(model),
         config={
@@ -167,7 +184,7 @@ def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str
             "optimizer": {"lr": 1e-4},
             "gradient_clipping": clip,
             "offload": {"optimizer": where, "overlap": overlap, "optimizer_threads": 1,
-                        "nvme": {"path": path, "block_size": 65536}},
+                        "nvme": nvme},
         },
     )  # fmt: skip
     if overlap and pinned:
@@ -348,8 +365,14 @@ def host_slowdown_beside_compute(
             "compute_load": f"the GPT's forward and backward ({precision}), looping, compute core"}  # fmt: skip
 
 
+@functools.cache
+def _text() -> torch.Tensor:
+    """The training text as token ids (read once: every run and probe draws from it)."""
+    return torch.tensor(list(stdlib_text(2_000_000)), dtype=torch.long)
+
+
 def text_batches(tokens: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    data = torch.tensor(list(stdlib_text(2_000_000)), dtype=torch.long)
+    data = _text()
     generator = torch.Generator().manual_seed(0)
     starts = torch.randint(0, len(data) - tokens - 1, (count,), generator=generator).tolist()
     rows = [data[s : s + tokens + 1][None] for s in starts]
@@ -431,10 +454,12 @@ def choose_tokens(
 
 def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, clip: float,
              where: str, path: str, forced: bool, precision: str,
-             chunk_size: int | str | None = None) -> dict:  # fmt: skip
+             chunk_size: int | str | None = None, nvme_block: int | None = None) -> dict:  # fmt: skip
     """Both engines, step by step in alternating order; per-step samples and bit-identity."""
     engines = {
-        name: build(model, overlap, pinned, clip, where, f"{path}/{name}", precision, chunk_size)
+        name: build(
+            model, overlap, pinned, clip, where, f"{path}/{name}", precision, chunk_size, nvme_block
+        )
         for name, overlap in (("serial", False), ("overlapped", True))
     }
     samples: dict[str, list[tuple]] = {name: [] for name in engines}
@@ -586,15 +611,15 @@ def clipped_fraction(steps: int, clip: float) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args("offload_overlap", __doc__.splitlines()[0], argv)
-    # The NVMe runs read and write every state each step (about 1.4 s a step here): fewer.
+    # The NVMe runs read and write every state each step (about 0.6 s a step here): fewer.
     steps, warmup, demo_steps = (12, 2, 10) if args.quick else (96, 8, 300)
     nvme_steps, nvme_warmup = (1, 1) if args.quick else (48, warmup)
     share_steps = 2 if args.quick else 4
     repeats = 1 if args.quick else REPEATS
     pretrain_steps = 10 if args.quick else 80
-    # Each interference round starts a load process (torch's import, a model): one round in a
-    # quick run keeps it inside its minute.
-    probe_rounds = 1 if args.quick else 5
+    # Each interference round starts a load process (torch's import, a model): a quick run
+    # has no minute left for them, and reports the two bounds they give as null.
+    probe_rounds = 0 if args.quick else 5
     pinned = len(os.sched_getaffinity(0)) >= 2
     torch.set_num_threads(1)
     if pinned:
@@ -622,15 +647,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 precision,
             ),
         }  # fmt: skip
+        probing = pinned and probe_rounds > 0
         interference = (
-            compute_slowdown_beside_host_load(model, tokens, probe_rounds, 6) if pinned else None
+            compute_slowdown_beside_host_load(model, tokens, probe_rounds, 6) if probing else None
         )
         host_interference = (
             host_slowdown_beside_compute(model, tokens, precision, probe_rounds, 10)
-            if pinned
+            if probing
             else None
         )
-        if not args.quick:  # the ablations (see the notes on chunks and on depth)
+        if not args.quick:  # the ablations (see the notes on chunks, depth and NVMe)
+            runs["nvme_small_blocks"] = run_pair(
+                model, tokens, NVME_SMALL_BLOCK_STEPS, nvme_warmup, pinned, CLIP, "nvme", nvme,
+                False, precision, nvme_block=NVME_SMALL_BLOCK,
+            )  # fmt: skip
             runs["plain_auto_chunks"] = run_pair(
                 model, tokens, steps, warmup, pinned, 0.0, "host", nvme, False, precision, "auto"
             )
@@ -645,6 +675,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plain = median_repeat(plain_repeats)
     clipped = median_repeat(clipped_repeats)
     on_nvme = analyse(runs["nvme"], CLIP)
+    small_blocks = analyse(runs["nvme_small_blocks"], CLIP) if "nvme_small_blocks" in runs else None
     auto_chunks = analyse(runs["plain_auto_chunks"], 0.0) if "plain_auto_chunks" in runs else None
     deeper_runs = {
         name: analyse(runs[f"{name}_deeper"], clip)
@@ -707,11 +738,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ("plain", plain),
                 ("clip 1.0", clipped),
                 ("clip 1.0, NVMe", on_nvme),
+                *(
+                    ((f"clip 1.0, NVMe, {NVME_SMALL_BLOCK >> 10} KiB blocks", small_blocks),)
+                    if small_blocks
+                    else ()
+                ),
                 *((("plain, auto chunks", auto_chunks),) if auto_chunks else ()),
                 *((f"{name}, {DEEPER_N_LAYER} layers", r) for name, r in deeper_runs.items()),
             )
         ],  # fmt: skip
     )
+    if not probing:
+        print("\nno interference probes (a quick run, or not pinned): the machine and host bounds "
+              "are null")  # fmt: skip
     if interference is not None:
         print(
             f"\nthe compute core's forward and backward beside a busy host core: "
@@ -737,6 +776,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, repeats_of in (("plain", plain_repeats), ("clipped", clipped_repeats))
         },  # fmt: skip
         "nvme_clipped": on_nvme,
+        "nvme_block_bytes": NvmeConfig.model_fields["block_size"].default,
+        "nvme_clipped_small_blocks": (
+            {"block_bytes": NVME_SMALL_BLOCK, **small_blocks} if small_blocks else None
+        ),
         "chunk_size_elements": block_elements(model),
         "plain_auto_chunks": auto_chunks,
         "deeper_model": {"n_layer": DEEPER_N_LAYER, **deeper_runs} if deeper_runs else None,
