@@ -92,8 +92,7 @@ class Snapshot:
         pieces: list[Piece],
         residency: Residency,
         kept: Kept,
-        targets: list[Target],
-        copies: dict[torch.dtype, torch.Tensor],
+        saved: list[tuple[Target, torch.Tensor]],
     ) -> None:
         self.layout = layout
         self.pieces = pieces
@@ -101,16 +100,10 @@ class Snapshot:
         self.grad_slots = [s for s, _lo, _hi in pieces if s.grad_in_param_slot]
         self._residency = residency
         self._kept = kept
-        # Each target with its part of the copy buffer of its dtype (sized for the targets),
-        # filled once ``take`` ran (the gradients' by the kernels right after it).
-        self._saved: list[tuple[Target, torch.Tensor]] = []
+        # Each target with its part of the copy buffer of its dtype (``Plan.saved``), filled
+        # once ``take`` ran (the gradients' by the kernels right after it).
+        self._saved = saved
         self._taken = False
-        filled: dict[torch.dtype, int] = {}
-        for target in targets:
-            dtype = layout.chunks[target.kind].dtype
-            start = filled.get(dtype, 0)
-            filled[dtype] = start + sum(hi - lo for _s, lo, hi in target.pieces)
-            self._saved.append((target, copies[dtype][start : filled[dtype]]))
 
     @property
     def shadows(self) -> dict[ChunkKind, torch.Tensor]:
@@ -278,6 +271,47 @@ def _key(piece: Piece) -> tuple[int, int, int]:
     return id(slot), lo, hi
 
 
+class Plan:
+    """What making one group's update undoable takes, derived from its pieces and home: kept
+    from step to step while they stay the same (the same parameters have gradients: nearly
+    always), so that reserving is a lookup on the engine's thread, not a walk of the pieces."""
+
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        pieces: list[Piece],
+        shadowed: frozenset[ChunkKind],
+        divided_grads: ChunkKind | None,
+    ) -> None:
+        self.shadowed = shadowed
+        self.targets = Snapshot.copy_targets(layout, pieces, shadowed, divided_grads)
+        self.copies = Snapshot.copy_elements(layout, self.targets)
+        self._dtypes = [layout.chunks[target.kind].dtype for target in self.targets]
+        self._saved: list[tuple[Target, torch.Tensor]] = []
+        self._saved_in: dict[torch.dtype, torch.Tensor] | None = None  # the buffers sliced
+
+    @staticmethod
+    def key(
+        pieces: list[Piece], home: StorageTier, divided_grads: ChunkKind | None
+    ) -> tuple[object, ...]:
+        return (id(home), divided_grads, *map(_key, pieces))
+
+    def saved(self, copies: dict[torch.dtype, torch.Tensor]) -> list[tuple[Target, torch.Tensor]]:
+        """Each target with its part of the copy buffer of its dtype in ``copies`` (a group's
+        kept buffers, sized for the targets), sliced again only when those buffers change."""
+        if self._saved_in is None or any(
+            copies[dtype] is not buffer for dtype, buffer in self._saved_in.items()
+        ):
+            filled: dict[torch.dtype, int] = {}
+            self._saved = []
+            for target, dtype in zip(self.targets, self._dtypes, strict=True):
+                start = filled.get(dtype, 0)
+                filled[dtype] = start + sum(hi - lo for _s, lo, hi in target.pieces)
+                self._saved.append((target, copies[dtype][start : filled[dtype]]))
+            self._saved_in = {dtype: copies[dtype] for dtype in filled}
+        return self._saved
+
+
 def not_updated(chunk: Chunk, pieces: list[Piece]) -> list[tuple[int, int]]:
     """The ranges of ``chunk``'s payload, in its own coordinates, that ``pieces`` leave out."""
     covered = sorted(
@@ -323,6 +357,7 @@ class Speculation:
         self.rollbacks = 0
         self._snapshots: list[Snapshot] = []  # of this step's speculated updates
         self._kept: dict[int, Kept] = {}  # layout index -> its buffers
+        self._plans: dict[int, tuple[tuple[object, ...], Plan]] = {}  # layout index -> its plan
 
     @property
     def active(self) -> bool:
@@ -340,17 +375,33 @@ class Speculation:
         gradients in ``divided_grads``' chunk that the kernel divides where they lie, if any)
         undoable: prepare the update to write to its :attr:`Snapshot.shadows`, then attach
         it. None, with nothing taken, when its buffers do not fit the budget or the host."""
-        spill = self.residency.tiers.spill
-        shadowed = Snapshot.shadowed_kinds(layout, home) if home is spill else frozenset()
-        targets = Snapshot.copy_targets(layout, pieces, shadowed, divided_grads)
-        copies = Snapshot.copy_elements(layout, targets)
-        kept = self._fit(layout.index, {kind: layout.chunks[kind] for kind in shadowed}, copies)
+        plan = self._plan(layout, pieces, home, divided_grads)
+        kept = self._fit(
+            layout.index, {kind: layout.chunks[kind] for kind in plan.shadowed}, plan.copies
+        )
         if kept is None:
             return None
-        views = {dtype: kept.copies[dtype][:numel] for dtype, numel in copies.items()}
-        snapshot = Snapshot(layout, pieces, self.residency, kept, targets, views)
+        snapshot = Snapshot(layout, pieces, self.residency, kept, plan.saved(kept.copies))
         self._snapshots.append(snapshot)
         return snapshot
+
+    def _plan(
+        self,
+        layout: ChunkLayout,
+        pieces: list[Piece],
+        home: StorageTier,
+        divided_grads: ChunkKind | None,
+    ) -> Plan:
+        """Layout's plan for these pieces: the last one where they are the same."""
+        key = Plan.key(pieces, home, divided_grads)
+        known = self._plans.get(layout.index)
+        if known is not None and known[0] == key:
+            return known[1]
+        spill = self.residency.tiers.spill
+        shadowed = Snapshot.shadowed_kinds(layout, home) if home is spill else frozenset()
+        plan = Plan(layout, pieces, shadowed, divided_grads)
+        self._plans[layout.index] = (key, plan)
+        return plan
 
     def _fit(
         self, index: int, shadows: dict[ChunkKind, Chunk], copies: dict[torch.dtype, int]
@@ -373,6 +424,8 @@ class Speculation:
         self._free([kept.copies.pop(dtype) for dtype in grow if dtype in kept.copies])
         needed = [(c.numel, c.dtype) for k, c in shadows.items() if k not in kept.shadows]
         needed += [(numel, dtype) for dtype, numel in grow.items()]
+        if not needed:
+            return kept  # as it is: the usual step
         total = sum(numel * dtype.itemsize for numel, dtype in needed)
         if not _within(self.budget_bytes, self.held_bytes, total):
             return None

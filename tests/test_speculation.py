@@ -221,6 +221,32 @@ def test_a_gradient_after_the_early_start_counts_in_the_norm(kind, tmp_path) -> 
     same_steps(runs[True], runs[False])
 
 
+def test_a_groups_plan_is_kept_while_its_pieces_stay_the_same(tmp_path, monkeypatch) -> None:
+    """Reserving looks the plan up (the engine's thread walked every piece for it at every
+    early start); a group whose pieces change (a branch's parameters get gradients) gets a new
+    one, and the steps stay the serial ones (the test above)."""
+    made: list[int] = []
+    make = speculation.Plan.__init__
+
+    def counted(plan: speculation.Plan, layout: ChunkLayout, *args: object) -> None:
+        made.append(layout.index)
+        make(plan, layout, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(speculation.Plan, "__init__", counted)
+    torch.manual_seed(0)
+    model = LateBranch()
+    engine = initialize(
+        model, device=DEVICE, offload=offload_for("host", True, tmp_path), **recipe("clip")
+    )
+    for step, (x, y) in enumerate(batches(8, rows=8)):
+        model.take_branch = step >= 4
+        engine.backward(engine(x, y))
+        engine.step()
+    started = engine.reducer.listener.started
+    assert started > len(made) > 0, (started, made)
+    assert len(made) > len(set(made)), f"the branch's gradients changed the pieces: {made}"
+
+
 def _raise_late(grad: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("late failure in backward")
 
