@@ -294,7 +294,14 @@ class Plan:
     def key(
         pieces: list[Piece], home: StorageTier, divided_grads: ChunkKind | None
     ) -> tuple[object, ...]:
-        return (id(home), divided_grads, *map(_key, pieces))
+        """What the plan is derived from: the pieces, and whether each slot holds its gradient
+        (which decides the 16-bit copies; a slot whose value was needed in backward stops
+        holding it), the home and the gradients divided in place."""
+        return (
+            id(home),
+            divided_grads,
+            *((id(slot), lo, hi, slot.grad_in_param_slot) for slot, lo, hi in pieces),
+        )
 
     def saved(self, copies: dict[torch.dtype, torch.Tensor]) -> list[tuple[Target, torch.Tensor]]:
         """Each target with its part of the copy buffer of its dtype in ``copies`` (a group's

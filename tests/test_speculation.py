@@ -247,6 +247,37 @@ def test_a_groups_plan_is_kept_while_its_pieces_stay_the_same(tmp_path, monkeypa
     assert len(made) > len(set(made)), f"the branch's gradients changed the pieces: {made}"
 
 
+def test_a_plan_is_keyed_on_which_slots_hold_their_gradient() -> None:
+    """Rounding the masters overwrites a 16-bit slot that holds its gradient, so the plan
+    copies those slots first; a slot whose value was needed in backward stops holding its
+    gradient with the same pieces, and the kept plan must not stand for it then."""
+    engine = initialize(
+        make_model(), device=DEVICE, offload={"optimizer": "host", "overlap": True},
+        **recipe("clip"),
+    )  # fmt: skip
+    (x, y), (x2, y2) = batches(2, rows=8)
+    engine.backward(engine(x, y))
+    engine.step()  # the states placed
+    engine.backward(engine(x2, y2))  # the gradients in their 16-bit slots, before the step
+    optimizer = engine.optimizer
+    layout = optimizer.params.trainable_layouts()[0]
+    pieces = owned_pieces(layout, optimizer.states.state_span(layout))
+    home = optimizer.states.home(layout)
+    shadowed = speculation.Snapshot.shadowed_kinds(layout, home)
+    slot = pieces[0][0]
+    assert slot.grad_in_param_slot
+    holding = speculation.Plan(layout, pieces, shadowed, None)
+    key = speculation.Plan.key(pieces, home, None)
+    slot.grad_in_param_slot = False
+    try:
+        released = speculation.Plan(layout, pieces, shadowed, None)
+        assert released.copies != holding.copies, "the plan depends on the flag"
+        assert speculation.Plan.key(pieces, home, None) != key
+    finally:
+        slot.grad_in_param_slot = True
+    engine.step()
+
+
 def _raise_late(grad: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("late failure in backward")
 
