@@ -282,7 +282,9 @@ class Plan:
         pieces: list[Piece],
         shadowed: frozenset[ChunkKind],
         divided_grads: ChunkKind | None,
+        key: tuple[object, ...] = (),
     ) -> None:
+        self.key = key  # what it was derived from (:meth:`key`)
         self.shadowed = shadowed
         self.targets = Snapshot.copy_targets(layout, pieces, shadowed, divided_grads)
         self.copies = Snapshot.copy_elements(layout, self.targets)
@@ -364,7 +366,7 @@ class Speculation:
         self.rollbacks = 0
         self._snapshots: list[Snapshot] = []  # of this step's speculated updates
         self._kept: dict[int, Kept] = {}  # layout index -> its buffers
-        self._plans: dict[int, tuple[tuple[object, ...], Plan]] = {}  # layout index -> its plan
+        self._plans: dict[int, Plan] = {}  # layout index -> its last plan
 
     @property
     def active(self) -> bool:
@@ -402,12 +404,11 @@ class Speculation:
         """Layout's plan for these pieces: the last one where they are the same."""
         key = Plan.key(pieces, home, divided_grads)
         known = self._plans.get(layout.index)
-        if known is not None and known[0] == key:
-            return known[1]
+        if known is not None and known.key == key:
+            return known
         spill = self.residency.tiers.spill
         shadowed = Snapshot.shadowed_kinds(layout, home) if home is spill else frozenset()
-        plan = Plan(layout, pieces, shadowed, divided_grads)
-        self._plans[layout.index] = (key, plan)
+        plan = self._plans[layout.index] = Plan(layout, pieces, shadowed, divided_grads, key)
         return plan
 
     def _fit(
