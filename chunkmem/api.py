@@ -22,7 +22,7 @@ from chunkmem.hooks import ModuleHooks
 from chunkmem.ledger import WORKSPACE, Ledger
 from chunkmem.machine import HOST_SHARE, default_host_capacity, host_available_bytes
 from chunkmem.manager import ChunkManager
-from chunkmem.optimizer import ChunkAdam, groups_from_torch_optimizer
+from chunkmem.optimizer import ChunkOptimizer, groups_from_torch_optimizer
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.packing import padding_for
 from chunkmem.params import ParamStore
@@ -46,6 +46,7 @@ from chunkmem.tiers import DeviceTier, HostTier, TierSet
 from chunkmem.tracer import Tracer
 from chunkmem.update_builder import UpdateBuilder
 from chunkmem.update_kernels import native_host_optimizer
+from chunkmem.update_rules import UpdateRule, config_param_group
 
 if TYPE_CHECKING:
     from zero.comm import Communicator
@@ -63,7 +64,7 @@ def initialize(
     """Return an :class:`Engine` training ``model`` with parameters and Adam states in chunks.
 
     ``optimizer``: a fresh ``torch.optim.Adam``/``AdamW`` whose param groups (and their
-    hyper-parameters) are taken over; None builds AdamW/Adam from ``config.optimizer``.
+    hyper-parameters) are taken over; None builds AdamW, Adam or SGD from ``config.optimizer``.
     ``config``: a :class:`Config`, a dict or a path to a JSON file (chunkmem's format or a
     DeepSpeed config, see ``chunkmem.deepspeed_config``).
     ``lr_scheduler``: a learning-rate scheduler built on ``optimizer`` (any
@@ -113,7 +114,12 @@ def initialize(
     world_size = comm.size if comm else 1
     _say_if_dtypes_change(named, compute_dtype, config.precision)
 
-    param_groups, group_of, decoupled = _param_groups(model, optimizer, config)
+    param_groups, group_of, rule = _param_groups(model, optimizer, config)
+    if rule.name == "sgd" and config.compression.freeze_variance:
+        raise ConfigError(
+            "config key 'compression.freeze_variance' freezes Adam's second moment; the "
+            "optimizer passed to initialize is SGD, which has none. Turn it off"
+        )
     unique = list(dict.fromkeys(p for _n, p in named))
     trainable = [p for p in unique if p.requires_grad]
     frozen = [p for p in unique if not p.requires_grad]
@@ -186,6 +192,7 @@ def initialize(
         offload_to=tiers[offload.optimizer] if offload.optimizer in ("host", "nvme") else None,
         ratio=offload.optimizer_ratio,
         offloaded_state_dtype=state_dtype,
+        moments=rule.moments,
     )
     params.register(named)
     _move_buffers(model, device.torch_device, compute_dtype)
@@ -196,7 +203,7 @@ def initialize(
     grad_handles = [p.register_post_accumulate_grad_hook(store_grad) for p in trainable]
     activations = ActivationCounter(device.meter, residency)
     threads = None if offload.optimizer_threads == "auto" else offload.optimizer_threads
-    adam = ChunkAdam(UpdateBuilder(manager, states, param_groups, group_of, decoupled, threads))
+    adam = ChunkOptimizer(UpdateBuilder(manager, states, param_groups, group_of, rule, threads))
     if config.offload.overlap:
         # Imported only when asked for, as the NVMe tier below: a run without them does not
         # load offload/, and a benchmark result that did not load a module is not staled by
@@ -324,16 +331,13 @@ def _store_grad_hook(manager: ChunkManager) -> Callable[[torch.nn.Parameter], No
 
 def _param_groups(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, config: Config
-) -> tuple[list[dict[str, Any]], dict[int, int], bool]:
+) -> tuple[list[dict[str, Any]], dict[int, int], UpdateRule]:
     model_params = {p: n for n, p in model.named_parameters()}
     if optimizer is None:
-        opt = config.optimizer
-        groups = [
-            {"lr": opt.lr, "betas": opt.betas, "eps": opt.eps, "weight_decay": opt.weight_decay}
-        ]
+        group, rule = config_param_group(config.optimizer)
         group_of = {id(p): 0 for p in model_params if p.requires_grad}
-        return groups, group_of, opt.type == "adamw"
-    groups, params_per_group, decoupled = groups_from_torch_optimizer(optimizer)
+        return [group], group_of, rule
+    groups, params_per_group, rule = groups_from_torch_optimizer(optimizer)
     group_of: dict[int, int] = {}
     for index, params in enumerate(params_per_group):
         for param in params:
@@ -350,7 +354,7 @@ def _param_groups(
                 f"parameter {name!r} requires grad but is in no optimizer param group; add it to "
                 f"the optimizer or set requires_grad=False"
             )
-    return groups, group_of, decoupled
+    return groups, group_of, rule
 
 
 def _join_world(config: Config):

@@ -1,7 +1,7 @@
 """Chunks: fixed-size flat buffers whose tensors are views at offsets.
 
 A :class:`ChunkLayout` says which parameter sits at which offset. The parameter chunk (the
-compute copy) and its mirrors (gradients, fp32 masters, Adam states) share one layout, so
+compute copy) and its mirrors (gradients, fp32 masters, optimizer moments) share one layout, so
 slot ``i`` of every chunk in the group belongs to the same parameter.
 """
 
@@ -44,6 +44,7 @@ class ChunkKind:
     MASTER: ClassVar[ChunkKind]
     EXP_AVG: ClassVar[ChunkKind]
     EXP_AVG_SQ: ClassVar[ChunkKind]
+    MOMENTUM_BUFFER: ClassVar[ChunkKind]
 
     __slots__ = ("value", "dynamic", "derived", "binds_params", "gradient", "written_before_read")
 
@@ -90,6 +91,7 @@ ChunkKind.GRAD = ChunkKind(  # a layout's gradients, when they cannot reuse the 
 ChunkKind.MASTER = ChunkKind("master", dynamic=False)  # fp32 masters (bf16/fp16 training)
 ChunkKind.EXP_AVG = ChunkKind("exp_avg", dynamic=False)
 ChunkKind.EXP_AVG_SQ = ChunkKind("exp_avg_sq", dynamic=False)
+ChunkKind.MOMENTUM_BUFFER = ChunkKind("momentum_buffer", dynamic=False)  # SGD's
 
 
 @dataclass(eq=False)

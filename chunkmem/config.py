@@ -26,18 +26,41 @@ ByteSize = Annotated[int, BeforeValidator(parse_byte_size), Field(ge=0)]
 
 
 class OptimizerConfig(Section):
-    """Adam/AdamW hyper-parameters; used when ``initialize`` is not given a torch optimizer."""
+    """The optimizer's hyper-parameters (Adam, AdamW or SGD); used when ``initialize`` is not
+    given a torch optimizer."""
 
-    type: Literal["adam", "adamw"] = Field("adamw", description="adamw decouples weight decay.")
+    type: Literal["adam", "adamw", "sgd"] = Field(
+        "adamw",
+        description="adamw decouples weight decay; sgd is torch.optim.SGD (momentum, nesterov, "
+        "L2 weight decay), one fp32 moment per element where momentum > 0, none without.",
+    )
     lr: float = Field(1e-3, gt=0, description="Learning rate (schedulers may change it per step).")
     # strict=False on sequences: JSON has no tuples, so a list must be accepted.
     betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
-        (0.9, 0.999), strict=False, description="Decay rates of the first and second moments."
+        (0.9, 0.999), strict=False, description="adam/adamw: decay rates of the two moments."
     )
-    eps: float = Field(1e-8, gt=0, description="Added to the denominator for stability.")
+    eps: float = Field(1e-8, gt=0, description="adam/adamw: added to the denominator.")
     weight_decay: float = Field(
-        0.01, ge=0, description="L2 penalty (adam) or decoupled decay (adamw)."
+        0.01, ge=0, description="L2 penalty (adam, sgd) or decoupled decay (adamw)."
     )
+    momentum: float = Field(0.0, ge=0, description="sgd: the momentum factor (0: plain SGD).")
+    nesterov: bool = Field(False, description="sgd: Nesterov momentum (needs momentum > 0).")
+
+    @model_validator(mode="after")
+    def _keys_of_the_type(self) -> OptimizerConfig:
+        """A key of the other optimizer is an error, not ignored (a dumped config states
+        every default, so only values other than the default count)."""
+        other = ("betas", "eps") if self.type == "sgd" else ("momentum", "nesterov")
+        owner = "adam/adamw" if self.type == "sgd" else "sgd"
+        for key in other:
+            if getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(
+                    f"optimizer.{key} is a setting of optimizer.type {owner}, got type "
+                    f"{self.type!r}; remove it or change the type"
+                )
+        if self.nesterov and self.momentum == 0:
+            raise ValueError("optimizer.nesterov needs optimizer.momentum > 0")
+        return self
 
 
 _SCHEDULE_KEYS = {
@@ -353,6 +376,17 @@ class Config(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _sgd_updates_in_place(self) -> Config:
+        reasons = speculative_reasons(self)
+        if self.optimizer.type == "sgd" and self.offload.overlap and reasons:
+            raise ValueError(
+                f"offload.overlap starts host updates in backward speculatively here "
+                f"({'; '.join(reasons)}), which needs an update written out of place; SGD's "
+                f"kernel updates in place only. Set offload.overlap false, or use adam/adamw"
+            )
+        return self
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
         return config_from_dict(cls, data)
@@ -391,3 +425,16 @@ def _move_optimizer_states_key(data: Any) -> Any:
     offload["optimizer"] = value
     data["placement"], data["offload"] = placement, offload
     return data
+
+
+def speculative_reasons(config: Config) -> list[str]:
+    """Why this config's early host updates (``offload.overlap``) must be undoable (empty:
+    they are final)."""
+    reasons = []
+    if config.gradient_clipping > 0:
+        reasons.append("gradient clipping needs the norm of every gradient")
+    if config.precision == "fp16":
+        reasons.append("fp16's overflow check needs every gradient")
+    if config.nonfinite == "skip":
+        reasons.append("nonfinite: skip needs every gradient checked")
+    return reasons

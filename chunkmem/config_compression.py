@@ -62,16 +62,18 @@ class CompressionConfig(Section):
     )
     momentum_correction: bool = Field(
         False,
-        description="dgc: accumulate the momentum u = m u + (1 - m) g instead of the gradient "
-        "and zero the sent blocks of u (momentum factor masking); the frozen-variance Adam step "
-        "takes the reduced sums as its first moment. Needs freeze_variance.",
+        description="dgc: accumulate the momentum u instead of the gradient and zero the sent "
+        "blocks of u (momentum factor masking). Adam: u = m u + (1 - m) g, and the "
+        "frozen-variance step takes the reduced sums as its first moment (needs "
+        "freeze_variance). SGD: u = m u + g, the paper's, applied as it is (needs "
+        "optimizer.momentum 0).",
     )
     momentum: float = Field(
         0.9,
         ge=0,
         lt=1,
         description="dgc with momentum_correction: the decay m of the local momentum (on "
-        "compressed steps it replaces Adam's beta1).",
+        "compressed steps it replaces Adam's beta1, or SGD's momentum).",
     )
     rank: int = Field(4, ge=1, description="powersgd: the approximation's rank r.")
     min_compression_rate: float = Field(
@@ -139,13 +141,6 @@ class CompressionConfig(Section):
                     f"compression.{asked[0]} is a setting of compression.type 'dgc', got "
                     f"type {self.type!r}"
                 )
-        if self.momentum_correction and not self.freeze_variance:
-            raise ValueError(
-                "compression.momentum_correction sends momentum sums, which Adam must take as "
-                "its first moment with a fixed second moment; it needs "
-                "compression.freeze_variance true (and warmup_steps >= 1 exact steps to build "
-                "the variance it keeps)"
-            )
         return self
 
     @model_validator(mode="after")
@@ -186,6 +181,7 @@ def check_compression(config: Config) -> None:
             f"compression.type {method!r} and zero.quantized_gradients both replace the "
             f"gradient reduce-scatter; choose one"
         )
+    _check_optimizer(config)
     skips = config.precision == "fp16" or config.nonfinite == "skip"
     if config.compression.freeze_variance and skips:
         why = "precision fp16" if config.precision == "fp16" else "nonfinite 'skip'"
@@ -202,4 +198,32 @@ def check_compression(config: Config) -> None:
             f"gradients, and {why} discards steps after their gradients were reduced: the "
             f"state would carry a discarded (or loss-scaled) step into the next. Use bf16 or "
             f"fp32 with nonfinite 'raise', or compression.type 'terngrad' (no state)"
+        )
+
+
+def _check_optimizer(config: Config) -> None:
+    """Momentum correction sends momentum sums, so the optimizer must not add momentum again:
+    Adam takes them as its first moment with the variance frozen, SGD applies them as they
+    are. SGD has no variance to freeze."""
+    compression, optimizer = config.compression, config.optimizer
+    if optimizer.type != "sgd":
+        if compression.momentum_correction and not compression.freeze_variance:
+            raise ValueError(
+                "compression.momentum_correction sends momentum sums, which Adam must take as "
+                "its first moment with a fixed second moment; it needs "
+                "compression.freeze_variance true (and warmup_steps >= 1 exact steps to build "
+                "the variance it keeps)"
+            )
+        return
+    if compression.freeze_variance:
+        raise ValueError(
+            "compression.freeze_variance freezes Adam's second moment; optimizer.type 'sgd' "
+            "has none. Leave it off (or use adam/adamw)"
+        )
+    if compression.momentum_correction and optimizer.momentum != 0:
+        raise ValueError(
+            f"compression.momentum_correction is the momentum under SGD: each rank keeps "
+            f"u = m u + g (m = compression.momentum) and SGD applies the summed u as it is; "
+            f"optimizer.momentum {optimizer.momentum} would add momentum twice. Set "
+            f"optimizer.momentum to 0"
         )

@@ -247,8 +247,9 @@ def _optimizer_type(translation: _Translation, rule: Rule, value: Any) -> None:
     """Adam or AdamW; decided in _Translation.finish with params.adam_w_mode."""
     if not isinstance(value, str) or value.lower() not in ("adam", "adamw"):
         raise ConfigError(
-            f"DeepSpeed key 'optimizer.type' is {value!r}: chunkmem runs Adam and AdamW on its "
-            f"chunks, and other optimizers are not planned"
+            f"DeepSpeed key 'optimizer.type' is {value!r}: chunkmem translates DeepSpeed's Adam "
+            f"and AdamW; for SGD set chunkmem's own optimizer.type 'sgd' (or pass a "
+            f"torch.optim.SGD to initialize), other optimizers are not planned"
         )
 
 

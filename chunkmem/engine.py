@@ -28,7 +28,7 @@ from chunkmem.hooks import ModuleHooks, UnhookedAccessMode, cast_floating, inter
 from chunkmem.ledger import Ledger
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
 from chunkmem.manager import ChunkManager
-from chunkmem.optimizer import ChunkAdam
+from chunkmem.optimizer import ChunkOptimizer
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.report import RunSummary, write_report
 from chunkmem.saved_tensors import ActivationCounter, make_saved_tensor_hooks
@@ -92,7 +92,7 @@ class Engine:
         states: OptimizerStates,
         hooks: ModuleHooks,
         activations: ActivationCounter,
-        optimizer: ChunkAdam,
+        optimizer: ChunkOptimizer,
         chunk_choice: ChunkSizes,
         grad_hook_handles: list[Any],
         lr_scheduler: Any = None,

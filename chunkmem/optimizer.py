@@ -1,4 +1,5 @@
-"""Adam/AdamW over chunks: one fused kernel call per chunk and parameter group.
+"""The optimizer over chunks (Adam, AdamW or SGD: ``chunkmem.update_rules``): one fused kernel
+call per chunk and parameter group.
 
 The update runs where a chunk's optimizer states live. On the device that is torch's fused
 kernel. On the host it is the native host optimizer (:mod:`kernels.host_optim`): the same bits
@@ -7,17 +8,17 @@ updates the fp32 masters and moments and writes the 16-bit parameters, with no f
 the gradients. If the native library cannot be built, one logged warning says why and
 torch's kernel runs there instead (bf16 moments then cannot be had; ``initialize`` says so).
 
-Per-parameter semantics follow ``torch.optim.Adam``: a parameter that got no gradient is
+Per-parameter semantics follow ``torch.optim.Adam`` (``SGD``): a parameter that got no gradient is
 skipped and its step count does not advance; each parameter group keeps its own
 hyper-parameters, which a learning-rate scheduler may change between steps through
-:attr:`ChunkAdam.param_groups`.
+:attr:`ChunkOptimizer.param_groups`.
 
 [Note: an update in three parts] Each layout's update is a :class:`LayoutUpdate`: prepared on
 the engine's thread (chunks ready and pinned, step counts, the kernel calls), run anywhere (the
 kernels only: they touch the tensors they were given and nothing of the engine), finished on
 the engine's thread (values copied back, pins released, parameters rebound). ``step`` does
 the three in order for each layout. With ``offload.overlap``, ``offload/overlap.py`` starts a
-layout's update in backward, as soon as its gradients are final (:meth:`ChunkAdam.start_early`),
+layout's update in backward, as soon as its gradients are final (:meth:`ChunkOptimizer.start_early`),
 and runs it on a host thread; ``step`` finishes those and updates the others.
 """
 
@@ -39,6 +40,7 @@ from chunkmem.tiers import StorageTier
 from chunkmem.tracer import Moment, Phase
 from chunkmem.update_builder import UpdateBuilder
 from chunkmem.update_kernels import fp32_norms
+from chunkmem.update_rules import AdamRule, SgdRule, UpdateRule, check_sgd_group
 
 _UNSUPPORTED_FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
@@ -66,24 +68,24 @@ class SpeculationLike(Protocol):
 
 def groups_from_torch_optimizer(
     optimizer: torch.optim.Optimizer,
-) -> tuple[list[dict[str, Any]], list[list[torch.nn.Parameter]], bool]:
-    """Hyper-parameter groups, their parameters and whether decay is decoupled (AdamW).
+) -> tuple[list[dict[str, Any]], list[list[torch.nn.Parameter]], UpdateRule]:
+    """Hyper-parameter groups, their parameters and the update they ask for (Adam, AdamW or
+    SGD).
 
     The groups are the optimizer's own dicts, so an LR scheduler built on ``optimizer`` sets
     the learning rate the chunked update reads."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
         raise ConfigError(
-            f"chunkmem runs Adam/AdamW on its chunks; got {type(optimizer).__name__}. Pass a "
-            f"torch.optim.Adam or AdamW (or none, and set optimizer in the config)"
+            f"chunkmem runs Adam, AdamW and SGD on its chunks; got {type(optimizer).__name__}. "
+            f"Pass a torch.optim.Adam, AdamW or SGD (or none, and set optimizer in the config)"
         )
     if optimizer.state:
         raise ConfigError(
             "the optimizer already has state (it has stepped); pass a freshly built optimizer "
             "so no moments are lost"
         )
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
-        g.get("decoupled_weight_decay", False) for g in optimizer.param_groups
-    )
+    sgd = isinstance(optimizer, torch.optim.SGD)
+    numbers = ("momentum", "dampening", "weight_decay") if sgd else ("betas", "eps", "weight_decay")
     groups, params = [], []
     for index, group in enumerate(optimizer.param_groups):
         for flag in _UNSUPPORTED_FLAGS:
@@ -92,20 +94,28 @@ def groups_from_torch_optimizer(
                     f"optimizer param group {index} sets {flag}=True, which chunkmem does not "
                     f"support; set it to False"
                 )
-        for key in ("betas", "eps", "weight_decay"):
+        for key in numbers:
             values = group[key] if key == "betas" else (group[key],)
             if any(isinstance(v, torch.Tensor) for v in values):
                 raise ConfigError(
                     f"optimizer param group {index} holds {key} as a tensor; chunkmem reads "
                     f"{key} as a number (a tensor learning rate is fine)"
                 )
+        if sgd:
+            check_sgd_group(index, group)
         groups.append(group)
         params.append(list(group["params"]))
-    return groups, params, decoupled
+    if sgd:
+        return groups, params, SgdRule(any(g["momentum"] for g in groups))
+    decoupled = isinstance(optimizer, torch.optim.AdamW) or any(
+        g.get("decoupled_weight_decay", False) for g in optimizer.param_groups
+    )
+    return groups, params, AdamRule(decoupled)
 
 
-class ChunkAdam:
-    """Adam/AdamW whose parameters, masters and moments live in chunks.
+class ChunkOptimizer:
+    """An optimizer (its update: ``updates.groups.rule``) whose parameters, masters and
+    moments live in chunks.
 
     Each layout updates the elements whose optimizer states this rank holds (all of them, or
     its ZeRO shard), as flat pieces of the slots that intersect that span. Gradients are
@@ -125,7 +135,7 @@ class ChunkAdam:
         self.sharding = states.sharding
         self.param_groups = updates.groups.param_groups
         self.group_of = updates.groups.group_of
-        self.decoupled = updates.groups.decoupled  # AdamW (recorded in checkpoints)
+        self.rule = updates.groups.rule  # its name is recorded in checkpoints
         # Layouts whose update began in this cycle (in backward too), counted first so that
         # a half update counts; reset when the step ends, and by an abort's cancel.
         self.layouts_updated = 0
@@ -140,7 +150,7 @@ class ChunkAdam:
 
     @property
     def step_counts(self) -> dict[TensorSlot, torch.Tensor]:
-        """Each parameter's Adam step count (checkpoints read and restore them)."""
+        """Each parameter's step count (checkpoints read and restore them)."""
         return self.updates.step_counts
 
     def step(self, grad_divisor: float) -> None:
@@ -160,7 +170,7 @@ class ChunkAdam:
                     early.stand()
                     del self.launched[layout.index]
                     # Gradients that arrived after the early start (a parameter that had none
-                    # in the cycle before) are updated now: Adam is elementwise.
+                    # in the cycle before) are updated now: the update is elementwise.
                     pieces = [p for p in pieces if id(p[0]) not in early.slot_ids]
                 if pieces or early is not None:  # the same moments as a serial step
                     self.manager.enter_moment(Moment(Phase.STEP, f"chunk {layout.index}"))

@@ -1,7 +1,8 @@
 """Optimizer-state chunks: where each layout's states live, and the chunk set of its update.
 
-After the first cycle each trainable layout's states (fp32 master, ``exp_avg``,
-``exp_avg_sq``, over the span this rank holds) get a fixed home: the device, the host, or a
+After the first cycle each trainable layout's states (fp32 master and the update rule's
+moments: Adam's ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum_buffer``; over the span this
+rank holds) get a fixed home: the device, the host, or a
 tier offload names (NVMe), by the config's placement (``offload.optimizer`` and
 ``optimizer_ratio``) and the traced device margin. Moving 12 bytes per parameter through the
 device every step would cost far more than streaming 2 bytes of gradient down and 2 bytes
@@ -25,9 +26,6 @@ from chunkmem.sharding import GradReducer, ParamGatherer, Sharding, Span, Waitab
 from chunkmem.staging import Staging
 from chunkmem.tiers import StorageTier, TierCopy
 
-STATE_KINDS = (ChunkKind.MASTER, ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
-_MOMENTS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
-
 
 class OptimizerStates:
     """Homes of the optimizer-state chunks and the chunks each layout's update needs.
@@ -48,6 +46,7 @@ class OptimizerStates:
         offload_to: StorageTier | None = None,
         ratio: float = 1.0,
         offloaded_state_dtype: torch.dtype = torch.float32,
+        moments: tuple[ChunkKind, ...] = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ),
     ) -> None:
         self.params = params
         self.residency = residency
@@ -58,6 +57,8 @@ class OptimizerStates:
         self.offload_to = offload_to
         self.ratio = ratio
         self.offloaded_state_dtype = offloaded_state_dtype
+        self.moments = moments  # the update rule's (``chunkmem.update_rules``)
+        self.kinds = (ChunkKind.MASTER, *moments)  # every state chunk kind
         self.staging = Staging(residency)
         self.homes: dict[int, StorageTier] | None = None  # layout index -> tier
         # Moments loaded from a checkpoint before the first step: place() starts from them.
@@ -93,7 +94,7 @@ class OptimizerStates:
             self.residency.room.placement.capacity,
             peak_nonmodel,
             dynamic,
-            [n * (8 + master_bytes) for n in elements[:rest]],
+            [n * (4 * len(self.moments) + master_bytes) for n in elements[:rest]],
             "device" if self.mode == "device" else "auto",
         )
         residency = self.residency
@@ -125,7 +126,7 @@ class OptimizerStates:
             if home.compute:
                 residency.room.make_room(master.nbytes, set(), "optimizer home", "capacity")
             residency.move(master, home, "optimizer home")
-        for kind in _MOMENTS:
+        for kind in self.moments:
             nbytes = span[1] * dtype.itemsize
             if home.compute:
                 residency.room.make_room(nbytes, set(), "optimizer home", "capacity")
@@ -142,7 +143,7 @@ class OptimizerStates:
         """After a failed placement: no moments, masters back on the spill tier."""
         residency = self.residency
         for layout in layouts:
-            for kind in _MOMENTS:
+            for kind in self.moments:
                 chunk = layout.chunks.get(kind)
                 if chunk is not None:
                     residency.drop_chunk(chunk)
@@ -185,7 +186,7 @@ class OptimizerStates:
     def prefetch(self, layout: ChunkLayout) -> None:
         """Start reading the states of ``layout`` (needed next) from a home that is not
         addressable, as far as host memory has room without evicting anything."""
-        for kind in STATE_KINDS:
+        for kind in self.kinds:
             chunk = layout.chunks.get(kind)
             if chunk is not None and not self.staging.read_ahead(chunk, "prefetch states"):
                 return
@@ -198,7 +199,7 @@ class OptimizerStates:
         assert self.homes is not None
         for layout in self.params.trainable_layouts():
             home = self.home(layout)
-            for kind in STATE_KINDS:
+            for kind in self.kinds:
                 chunk = layout.chunks.get(kind)
                 if chunk is not None:
                     self.staging.write_back(chunk, home, "step", wait=True)
@@ -231,7 +232,7 @@ class OptimizerStates:
             for chunk in storage:
                 residency.room.touch(chunk, on_device=False)
                 residency.move(chunk, work, "step", reader_copies=reads is not None)
-        states = [chunks[k] for k in STATE_KINDS if k in chunks]
+        states = [chunks[k] for k in self.kinds if k in chunks]
         for chunk in states:
             self.staging.stage(chunk, "step")
         present = {k: c for k, c in chunks.items() if c.tier is not None}

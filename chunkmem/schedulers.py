@@ -1,6 +1,6 @@
 """Learning-rate schedules as DeepSpeed defines them: ``WarmupLR``, ``WarmupDecayLR`` and
 ``WarmupCosineLR`` (``deepspeed/runtime/lr_schedules.py``), over anything with
-``param_groups`` (the engine's ``ChunkAdam``, a torch optimizer).
+``param_groups`` (the engine's ``ChunkOptimizer``, a torch optimizer).
 
 The formulas, defaults and the ``last_batch_iteration`` counting are DeepSpeed's, so a
 DeepSpeed config's schedule gives the same learning rate at every step: built at iteration

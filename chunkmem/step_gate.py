@@ -15,7 +15,7 @@ import torch
 
 from chunkmem.config import Config
 from chunkmem.loss_scaler import DynamicLossScaler, StaticLossScale
-from chunkmem.optimizer import ChunkAdam, clip_coefficient
+from chunkmem.optimizer import ChunkOptimizer, clip_coefficient
 from chunkmem.sharding import GradReducer
 
 _log = logging.getLogger("chunkmem")
@@ -29,7 +29,7 @@ class StepGate:
     def __init__(
         self,
         config: Config,
-        optimizer: ChunkAdam,
+        optimizer: ChunkOptimizer,
         reducer: GradReducer,
         scaler: DynamicLossScaler | StaticLossScale,
     ) -> None:

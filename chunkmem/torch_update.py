@@ -1,4 +1,4 @@
-"""One layout's update through torch's fused Adam kernel, where the native host optimizer
+"""One layout's update through torch's fused kernel (the update rule's), where the native host optimizer
 does not run: optimizer states on the device, or on the host without the native library.
 It runs on the engine's thread (it takes workspaces) and reads each gradient where it lies."""
 
@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from chunkmem.adam_groups import AdamGroups
 from chunkmem.chunk import Chunk, ChunkKind, TensorSlot
 from chunkmem.grads import GradStore
 from chunkmem.pieces import Piece, cut, spans
 from chunkmem.residency import Residency
 from chunkmem.tiers import StorageTier
+from chunkmem.update_rules import ParamGroups
 
 # fp32 elements of gradient cast at once in bf16/fp16 training (the fused kernel needs fp32
 # gradients for fp32 masters): 1 MiB of workspace whatever the chunk size, so a large chunk
@@ -38,7 +38,7 @@ def account_stream(
 class TorchUpdate:
     """torch's fused kernel over one layout's pieces, one call per parameter group."""
 
-    def __init__(self, grads: GradStore, residency: Residency, groups: AdamGroups) -> None:
+    def __init__(self, grads: GradStore, residency: Residency, groups: ParamGroups) -> None:
         self.grads = grads
         self.residency = residency
         self.groups = groups
@@ -54,13 +54,14 @@ class TorchUpdate:
     ) -> None:
         if ChunkKind.MASTER in chunks:
             self._step_mixed(chunks, pieces, step_of, grad_scale, home)
-        elif all(hi - lo == s.numel for s, lo, hi in pieces) and chunks[ChunkKind.EXP_AVG].is_whole:
+        elif all(hi - lo == s.numel for s, lo, hi in pieces) and all(
+            chunks[kind].is_whole for kind in (ChunkKind.PARAM, *self.groups.rule.moments)
+        ):
             self._fused(  # whole slots of whole chunks: cached views, no slicing
                 slots,
                 chunks[ChunkKind.PARAM].views(slots),
                 self.grads.views(slots),
-                chunks[ChunkKind.EXP_AVG].views(slots),
-                chunks[ChunkKind.EXP_AVG_SQ].views(slots),
+                [chunks[kind].views(slots) for kind in self.groups.rule.moments],
                 [step_of[id(s)] for s in slots],
                 grad_scale,
             )
@@ -69,8 +70,7 @@ class TorchUpdate:
                 [slot for slot, _lo, _hi in pieces],
                 spans(chunks[ChunkKind.PARAM], pieces),
                 [self.grads.reducer.grad_source(s).span(s, lo, hi) for s, lo, hi in pieces],
-                spans(chunks[ChunkKind.EXP_AVG], pieces),
-                spans(chunks[ChunkKind.EXP_AVG_SQ], pieces),
+                [spans(chunks[kind], pieces) for kind in self.groups.rule.moments],
                 [step_of[id(s)] for s, _lo, _hi in pieces],
                 grad_scale,
             )
@@ -100,8 +100,7 @@ class TorchUpdate:
                     [slot for slot, _lo, _hi in batch],
                     masters,
                     grads,
-                    spans(chunks[ChunkKind.EXP_AVG], batch),
-                    spans(chunks[ChunkKind.EXP_AVG_SQ], batch),
+                    [spans(chunks[kind], batch) for kind in self.groups.rule.moments],
                     [step_of[id(slot)] for slot, _lo, _hi in batch],
                     grad_scale,
                 )
@@ -109,21 +108,17 @@ class TorchUpdate:
                 torch._foreach_copy_(spans(param, batch), masters)
                 account_stream(self.residency, [param] * len(batch), sizes, home, to_home=False)
 
-    def _fused(self, slots, params, grads, exp_avgs, exp_avg_sqs, steps, grad_scale) -> None:
-        """torch's fused kernel, one call per parameter group over aligned lists."""
+    def _fused(self, slots, params, grads, moments, steps, grad_scale) -> None:
+        """torch's fused kernel, one call per parameter group over aligned lists
+        (``moments``: one list per kind of the rule's moments)."""
         groups = self.groups
-        kernel = groups.kernel(torch._fused_adam_, torch._fused_adamw_)
+        kernel = groups.torch_kernel()
         for group_index, positions in groups.by_group(slots).items():
             kernel(
                 [params[i] for i in positions],
                 [grads[i] for i in positions],
-                [exp_avgs[i] for i in positions],
-                [exp_avg_sqs[i] for i in positions],
-                [],
+                [[moment[i] for i in positions] for moment in moments],
                 [steps[i] for i in positions],
+                grad_scale,
                 **groups.hyper_parameters(group_index),
-                amsgrad=False,
-                maximize=False,
-                grad_scale=grad_scale,
-                found_inf=None,
             )

@@ -1,7 +1,7 @@
 """How one layout is updated where its optimizer states live: :class:`UpdateBuilder` pins
 the chunks, advances the step counts and builds the kernel calls of a
 :class:`~chunkmem.layout_update.LayoutUpdate` (see [Note: an update in three parts] in
-``chunkmem.optimizer``; ``ChunkAdam`` orders the layouts and owns the step). The native host
+``chunkmem.optimizer``; ``ChunkOptimizer`` orders the layouts and owns the step). The native host
 kernels' calls are built here; torch's kernel is ``chunkmem.torch_update``."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 import chunkmem.update_kernels as update_kernels
-from chunkmem.adam_groups import AdamGroups
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.layout_update import LayoutUpdate
 from chunkmem.manager import ChunkManager
@@ -25,6 +24,7 @@ from chunkmem.pieces import Piece, spans
 from chunkmem.sharding import Waitable
 from chunkmem.tiers import StorageTier
 from chunkmem.torch_update import TorchUpdate, account_stream
+from chunkmem.update_rules import ParamGroups, UpdateRule
 
 
 @dataclass
@@ -100,14 +100,14 @@ class UpdateBuilder:
         states: OptimizerStates,
         param_groups: list[dict[str, Any]],
         group_of: dict[int, int],
-        decoupled_weight_decay: bool,
+        rule: UpdateRule,
         host_threads: int | None,
     ) -> None:
         self.manager = manager
         self.states = states
         self.grads = manager.grads
         self.residency = manager.residency
-        self.groups = AdamGroups(param_groups, group_of, decoupled_weight_decay, self.grads)
+        self.groups = ParamGroups(rule, param_groups, group_of, self.grads)
         self.torch_update = TorchUpdate(self.grads, self.residency, self.groups)
         self.host_threads = host_threads
         self.step_counts: dict[TensorSlot, torch.Tensor] = {}
@@ -147,7 +147,8 @@ class UpdateBuilder:
                 self.states.update_chunks(layout, reads if defer_reads else None)
             )
             work = self.states.work_tier(layout)
-            device = chunks[ChunkKind.EXP_AVG].payload.device  # type: ignore[union-attr]
+            value = chunks[ChunkKind.MASTER if ChunkKind.MASTER in chunks else ChunkKind.PARAM]
+            device = value.payload.device  # type: ignore[union-attr]
             slots = list(dict.fromkeys(slot for slot, _lo, _hi in pieces))
             steps = [self._step_tensor(s, device) for s in slots]
             torch._foreach_add_(steps, 1)
@@ -264,7 +265,7 @@ class UpdateBuilder:
         """The kernel of this step's host updates, with each group's hyper-parameters read
         now (on the engine's thread: a scheduler may change them between steps)."""
         groups = self.groups
-        kernel = groups.kernel(kernels.fused_adam_, kernels.fused_adamw_)
+        kernel = groups.host_kernel(kernels)
         hyper = [groups.hyper_parameters(g) for g in range(len(groups.param_groups))]
 
         def call(group_index: int, *args: Any, **kwargs: Any) -> None:
@@ -295,25 +296,23 @@ class UpdateBuilder:
         the calls measure the gradients' norms as they read them, where ``fp32_norms`` would
         measure them with the native kernel (the same bits, one pass fewer)."""
         grads = staged.grads
+        rule = self.groups.rule
         fused_norms: list[tuple[list[int], torch.Tensor]] | None = (
-            [] if measure and update_kernels.measured_natively(grads) else None
+            []
+            if measure and rule.out_of_place and update_kernels.measured_natively(grads)
+            else None
         )
         mixed = ChunkKind.MASTER in chunks
         params = spans(chunks[ChunkKind.MASTER if mixed else ChunkKind.PARAM], pieces)
         outs = (staged.outs or spans(chunks[ChunkKind.PARAM], pieces)) if mixed else None
-        exp_avgs = spans(chunks[ChunkKind.EXP_AVG], pieces)
-        exp_avg_sqs = spans(chunks[ChunkKind.EXP_AVG_SQ], pieces)
+        moments = [spans(chunks[kind], pieces) for kind in rule.moments]
         saves = None if grads_saved is None else grads_saved()
         new = None
         if into:
             value = ChunkKind.MASTER if mixed else ChunkKind.PARAM
             new = [
                 spans(chunks[kind], pieces, into[kind]) if kind in into else read
-                for kind, read in (
-                    (value, params),
-                    (ChunkKind.EXP_AVG, exp_avgs),
-                    (ChunkKind.EXP_AVG_SQ, exp_avg_sqs),
-                )
+                for kind, read in ((value, params), *zip(rule.moments, moments, strict=True))
             ]
         calls: list[Callable[[], None]] = []
         for group_index, positions in self.groups.by_group([s for s, _lo, _hi in pieces]).items():
@@ -327,9 +326,7 @@ class UpdateBuilder:
                     group_index,
                     [params[i] for i in positions],
                     [grads[i] for i in positions],
-                    [exp_avgs[i] for i in positions],
-                    [exp_avg_sqs[i] for i in positions],
-                    [],
+                    [[moment[i] for i in positions] for moment in moments],
                     [step_of[id(pieces[i][0])] for i in positions],
                     grad_scale=grad_scale,
                     params_out=None if outs is None else [outs[i] for i in positions],

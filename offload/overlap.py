@@ -26,24 +26,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from chunkmem.chunk import ChunkLayout
-from chunkmem.config import Config
-from chunkmem.optimizer import ChunkAdam
+from chunkmem.config import Config, speculative_reasons
+from chunkmem.errors import ConfigError
+from chunkmem.optimizer import ChunkOptimizer
 from chunkmem.sharding import GradReducer
 from offload.speculation import Speculation
 
 _log = logging.getLogger("chunkmem.offload")
-
-
-def speculative_reasons(config: Config) -> list[str]:
-    """Why this config's early updates must be undoable (empty: they are final)."""
-    reasons = []
-    if config.gradient_clipping > 0:
-        reasons.append("gradient clipping needs the norm of every gradient")
-    if config.precision == "fp16":
-        reasons.append("fp16's overflow check needs every gradient")
-    if config.nonfinite == "skip":
-        reasons.append("nonfinite: skip needs every gradient checked")
-    return reasons
 
 
 class OverlappedStep:
@@ -54,7 +43,7 @@ class OverlappedStep:
     one updates.
     """
 
-    def __init__(self, optimizer: ChunkAdam, reducer: GradReducer) -> None:
+    def __init__(self, optimizer: ChunkOptimizer, reducer: GradReducer) -> None:
         self.optimizer = optimizer
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="chunkmem-host-step")
         self._order: list[int] = []  # layout indices, as they became final last cycle
@@ -135,12 +124,21 @@ class OverlappedStep:
         return [by_index[i] for i in indices if i in by_index]
 
 
-def attach(config: Config, optimizer: ChunkAdam, reducer: GradReducer) -> OverlappedStep | None:
+def attach(
+    config: Config, optimizer: ChunkOptimizer, reducer: GradReducer
+) -> OverlappedStep | None:
     """The overlapped step for an engine whose config asks for it; speculative where the
     config needs every gradient before an update (one logged line says why)."""
     if not config.offload.overlap:
         return None
     reasons = speculative_reasons(config)
+    if reasons and not optimizer.rule.out_of_place:
+        raise ConfigError(
+            f"offload.overlap starts host updates in backward speculatively here "
+            f"({'; '.join(reasons)}), which needs an update written out of place; the "
+            f"{optimizer.rule.name} kernel updates in place only. Set offload.overlap false, "
+            f"or use Adam/AdamW"
+        )
     if reasons:
         optimizer.speculation = Speculation(optimizer.residency, config.offload.speculation_bytes)
         _log.info(

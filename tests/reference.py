@@ -42,16 +42,22 @@ def train_reference(
     clip: float = 0.0,
     initial_scale: float = 2.0**16,
     loss_fn: Callable[..., torch.Tensor] | None = None,
+    optimizer_for: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
 ) -> ReferenceRun:
-    """Train a deep copy of ``model`` on ``batches`` (each a tuple of forward arguments)."""
+    """Train a deep copy of ``model`` on ``batches`` (each a tuple of forward arguments);
+    ``optimizer_for`` builds the optimizer over the masters (default: fused AdamW or Adam
+    with ``lr`` and ``weight_decay``)."""
     dtype = DTYPES[precision]
     compute = copy.deepcopy(model).to(dtype)
     params = [p for p in compute.parameters() if p.requires_grad]
     originals = [p for p in model.parameters() if p.requires_grad]
     # Masters start from the original fp32 weights, not from their 16-bit rounding.
     masters = [p.detach().float().clone() for p in originals] if dtype != torch.float32 else params
-    optimizer_cls = torch.optim.AdamW if adamw else torch.optim.Adam
-    optimizer = optimizer_cls(masters, lr=lr, weight_decay=weight_decay, fused=True)
+    if optimizer_for is None:
+        optimizer_cls = torch.optim.AdamW if adamw else torch.optim.Adam
+        optimizer = optimizer_cls(masters, lr=lr, weight_decay=weight_decay, fused=True)
+    else:
+        optimizer = optimizer_for(masters)
     scale = initial_scale if precision == "fp16" else 1.0
     losses, skipped = [], 0
     for index, batch in enumerate(batches):

@@ -3,6 +3,7 @@ made-up runs (the benchmark itself needs root for its network namespaces)."""
 
 from __future__ import annotations
 
+import chunkmem
 from benchmarks.compression import (
     GATHER_AT_STEP,
     METHODS,
@@ -102,5 +103,40 @@ def test_the_judged_runs_train_side_by_side_and_the_reported_ones_alone() -> Non
     one_ring = next(run for run in runs if run["name"] == "powersgd-one-ring")
     assert one_ring["one_ring"] and one_ring["compression"] == compression_for("powersgd", 200)
     alone = [run["name"] for run in runs if not run.get("interleaved")]
-    assert alone and all(name.endswith(("-zero3", "-offload")) for name in alone)
+    assert alone and all(name.endswith(("-zero3", "-offload", "-sgd")) for name in alone)
+    assert [name for name in alone if name.endswith("-sgd")] == [
+        "none-sgd", "powersgd-sgd", "dgc-sgd", "onebit-sgd",
+    ]  # fmt: skip
     assert all(run.get("interleaved") for run in _runs(FULL, "10gbit"))
+
+
+def test_under_momentum_sgd_each_method_runs_at_its_papers_settings() -> None:
+    """PowerSGD with its warm-up, DGC with the correction as the momentum (so the optimizer's
+    is 0) and the sparsity warm-up only, 1-bit SGD with error feedback from the first step."""
+    from benchmarks.compression import PAPERS_SGD, papers_sgd_run
+
+    powersgd = papers_sgd_run("powersgd", 200, 300)
+    assert powersgd["compression"] == compression_for("powersgd", 200)
+    assert powersgd["optimizer"] == PAPERS_SGD and PAPERS_SGD["momentum"] == 0.9
+    dgc = papers_sgd_run("dgc", 200, 300)
+    assert dgc["compression"] == {
+        "type": "dgc", "density": 0.001, "block_size": 32, "momentum_correction": True,
+        "sparsity_warmup_steps": 40,
+    }  # fmt: skip
+    assert dgc["optimizer"] == {**PAPERS_SGD, "momentum": 0.0}
+    assert papers_sgd_run("onebit", 200, 300)["compression"] == {"type": "onebit"}
+    for method in ("powersgd", "dgc", "onebit"):  # each a config the engine takes
+        run = papers_sgd_run(method, 200, 300)
+        chunkmem.Config.from_dict(
+            {"zero": {"stage": 2}, "compression": run["compression"],
+             "optimizer": run["optimizer"], "gradient_clipping": 1.0}
+        )  # fmt: skip
+
+
+def test_the_momentum_sgd_keys_compare_with_the_exact_sgd_run() -> None:
+    none = {"bytes_sent_per_step": 100, "time_to_loss_s": 10.0, "final_loss": 2.0}
+    slow = {"none": none, "none-sgd": {**none, "final_loss": 2.5}}
+    slow["powersgd-sgd"] = {**none, "final_loss": 2.525}
+    out = metrics({"rates": {"1gbit": slow}})
+    assert abs(out["final_loss_rel_diff_vs_uncompressed_powersgd_momentum_sgd"] - 0.01) < 1e-12
+    assert "final_loss_rel_diff_vs_uncompressed_dgc_momentum_sgd" not in out

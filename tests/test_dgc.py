@@ -34,6 +34,9 @@ from zero.compression.topk import TopKSettings
 from zero.kinds import DGC_VELOCITY, EF_RESIDUAL
 
 PAPER = DGC_PAPER
+# The paper's own recipe: SGD, whose momentum is the compressor's velocity u = m u + g.
+PAPER_SGD = {k: v for k, v in DGC_PAPER.items() if k != "freeze_variance"}
+SGD = {"type": "sgd", "lr": 0.05}
 
 # ---------------------------------------------------------------- kernels
 
@@ -91,7 +94,9 @@ def test_the_density_warms_up_exponentially_to_its_target() -> None:
 # ---------------------------------------------------------------- the reduction
 
 
-def train_dgc(comm, compression: dict, stage: int, steps: int, clipping: float) -> dict:
+def train_dgc(
+    comm, compression: dict, stage: int, steps: int, clipping: float, optimizer: dict
+) -> dict:
     engine = _engine(
         comm,
         compression,
@@ -99,6 +104,7 @@ def train_dgc(comm, compression: dict, stage: int, steps: int, clipping: float) 
         precision="fp32",
         gradient_clipping=clipping,
         chunk={"size": 512},
+        optimizer=optimizer,
     )
     log: list[dict] = []
     engine.reducer.reduction.compressed = Recording(engine.reducer.reduction.compressed, log)
@@ -124,7 +130,7 @@ def train_dgc(comm, compression: dict, stage: int, steps: int, clipping: float) 
 
 def _paper_reference(entries: list[dict], settings: TopKSettings, trainable: int, step: int):
     """Lin et al. (2018), Algorithm 1 with coarse blocks, per rank in fp32: local clipping,
-    u = m u + (1 - m) g (momentum correction), v += u, the top-k blocks of v by L2 norm in
+    u = m u + (1 - m) g under Adam, m u + g under SGD (momentum correction), v += u, the top-k blocks of v by L2 norm in
     each destination slice, sent blocks masked in u and v; each shard the sum of the blocks
     sent to it. Returns (shards, residuals, velocities)."""
     world = len(entries)
@@ -142,7 +148,8 @@ def _paper_reference(entries: list[dict], settings: TopKSettings, trainable: int
             g = g * min(1.0, settings.gradient_clipping * share / (norm + 1e-6))
         u, v = entry["velocity"].clone(), entry["before"].clone()
         if settings.momentum is not None:
-            u = settings.momentum * u + (1 - settings.momentum) * g
+            weight = (1 - settings.momentum) if settings.velocity_averages else 1.0
+            u = settings.momentum * u + weight * g
             v = v + u
         else:
             v = v + g
@@ -166,19 +173,24 @@ def _paper_reference(entries: list[dict], settings: TopKSettings, trainable: int
 
 
 @pytest.mark.parametrize(
-    ("compression", "clipping"),
+    ("compression", "clipping", "optimizer"),
     [
-        ({"type": "dgc", "block_size": 32, "density": 0.2}, 0.0),
-        (PAPER, 0.02),
+        ({"type": "dgc", "block_size": 32, "density": 0.2}, 0.0, {}),
+        (PAPER, 0.02, {}),
+        (PAPER_SGD, 0.02, SGD),
     ],
-    ids=["topk", "paper-recipe-clipped"],
+    ids=["topk", "paper-recipe-clipped", "paper-recipe-sgd"],
 )
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_dgc_reduction_equals_the_papers_reference(
-    compression: dict, clipping: float, stage: int
+    compression: dict, clipping: float, optimizer: dict, stage: int
 ) -> None:
-    results = run_threads(train_dgc, WORLD, compression, stage, 5, clipping, timeout_s=60)
-    config = chunkmem.Config.from_dict({"zero": {"stage": 2}, "compression": compression})
+    results = run_threads(
+        train_dgc, WORLD, compression, stage, 5, clipping, optimizer, timeout_s=60
+    )
+    config = chunkmem.Config.from_dict(
+        {"zero": {"stage": 2}, "compression": compression, "optimizer": optimizer}
+    )
     c = config.compression
     settings = TopKSettings(
         c.block_size,
@@ -187,6 +199,7 @@ def test_dgc_reduction_equals_the_papers_reference(
         c.warmup_steps,
         c.momentum if c.momentum_correction else None,
         clipping,
+        velocity_averages=c.freeze_variance,
     )
     logs = [r["log"] for r in results]
     layouts = len({e["layout"] for e in logs[0]})

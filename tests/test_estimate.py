@@ -27,6 +27,7 @@ def config(**sections: Any) -> dict[str, Any]:
 
 
 TEMPORARIES = {"type": "simulated", "capacity": CAPACITY, "count_temporaries": True}
+SGD = {"type": "sgd", "lr": 0.05, "momentum": 0.9}  # one moment, where Adam has two
 
 
 @dataclass(frozen=True)
@@ -102,8 +103,18 @@ def predict(
             ModelSettings(**SMALL, checkpointing=True),
             config(precision="bf16", device=TEMPORARIES, offload={"optimizer": "host"}),
         ),
+        (ModelSettings(**SMALL, checkpointing=True), config(precision="bf16", optimizer=SGD)),
+        (ModelSettings(**SMALL, checkpointing=False), config(optimizer={"type": "sgd"})),
     ],
-    ids=["fp32-checkpointing", "bf16", "bf16-host-offload", "bf16-accumulation", "temporaries"],
+    ids=[
+        "fp32-checkpointing",
+        "bf16",
+        "bf16-host-offload",
+        "bf16-accumulation",
+        "temporaries",
+        "bf16-sgd",
+        "fp32-sgd-without-momentum",
+    ],  # fmt: skip
 )
 def test_estimate_is_the_ledger_peak_in_one_process(
     model: ModelSettings, engine_config: dict[str, Any]
@@ -157,6 +168,7 @@ def test_estimate_is_the_ledger_under_zero_on_two_ranks(
 
 HOST_CASES = {
     "host-offload": config(precision="bf16", offload={"optimizer": "host"}),
+    "sgd-host-offload": config(precision="bf16", optimizer=SGD, offload={"optimizer": "host"}),
     "speculative-host-updates": config(
         precision="bf16", gradient_clipping=1.0, offload={"optimizer": "host", "overlap": True}
     ),

@@ -143,19 +143,19 @@ MODELLED = {
     "compression.min_compression_rate", "compression.density", "compression.sparsity_warmup_steps",
     "compression.momentum_correction", "offload.optimizer", "offload.optimizer_ratio",
     "offload.state_dtype", "offload.overlap", "offload.speculation_bytes", "offload.nvme.path",
-    "offload.nvme.block_size", "offload.nvme.io_threads",
+    "offload.nvme.block_size", "offload.nvme.io_threads", "optimizer.type", "optimizer.momentum",
 }  # fmt: skip
 # Keys that change neither a peak nor the bytes sent, with why.
 NOT_NEEDED = {
     **dict.fromkeys(
         [
-            "optimizer.type",
             "optimizer.lr",
             "optimizer.betas",
             "optimizer.eps",
             "optimizer.weight_decay",
+            "optimizer.nesterov",
         ],
-        "Adam and AdamW hold the same states",
+        "the update's values, not the states it holds (the type and momentum decide those)",
     ),  # fmt: skip
     **{
         key: "the schedule changes values, not bytes"

@@ -198,7 +198,7 @@ def test_the_engine_freezes_at_the_last_warmup_step(monkeypatch) -> None:
     """The update builder hands the frozen update ``steps_frozen`` = 1, 2, 3 on the compressed
     steps 3, 4 and 5 (each parameter at Adam step 3, 4, 5 then corrects by step 2, the last
     exact one), and nothing on the exact steps."""
-    import chunkmem.adam_groups as adam_groups
+    import chunkmem.update_rules as update_rules
 
     calls: list[int] = []
 
@@ -208,7 +208,7 @@ def test_the_engine_freezes_at_the_last_warmup_step(monkeypatch) -> None:
         calls.append(steps_frozen)
         frozen_variance_adam_(*args, steps_frozen=steps_frozen, **kwargs)
 
-    monkeypatch.setattr(adam_groups, "frozen_variance_adam_", spy)
+    monkeypatch.setattr(update_rules, "frozen_variance_adam_", spy)
     run_threads(train_with_moments, 2, FROZEN, 2, "none", 5, timeout_s=60)
     assert calls and set(calls) == {1, 2, 3}
     # steps 3, 4 and 5 of each rank: one call per parameter group and layout each

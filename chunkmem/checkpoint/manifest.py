@@ -67,7 +67,7 @@ def describe(engine: Engine) -> dict[str, Any]:
         "torch": torch.__version__,
         "world_size": params.sharding.world_size,
         "precision": config.precision,
-        "optimizer": "adamw" if engine.optimizer.decoupled else "adam",
+        "optimizer": engine.optimizer.rule.name,
         "param_groups": len(engine.optimizer.param_groups),
         "chunk_size": engine.chunk_choice.trainable.size,
         "frozen_chunk_size": engine.chunk_choice.frozen.size,

@@ -11,7 +11,8 @@ Keys (all in the parameter's shape):
 
 - ``model.<name>``: the fp32 master (mixed precision), else the parameter chunk's value
   (fp32 training, and frozen parameters in their compute dtype);
-- ``optim.state.<name>.exp_avg``, ``optim.state.<name>.exp_avg_sq``: Adam's moments (fp32);
+- ``optim.state.<name>.<moment>``: the update rule's moments (fp32): Adam's ``exp_avg`` and
+  ``exp_avg_sq``, SGD's ``momentum_buffer``;
 - ``optim.state.<name>.step``: the parameter's step count, a 0-d fp32 tensor.
 
 A tied parameter is one slot and is stored once, under its first name.
@@ -27,14 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
-from chunkmem.optimizer import ChunkAdam
+from chunkmem.optimizer import ChunkOptimizer
 from chunkmem.optimizer_states import OptimizerStates
 from chunkmem.params import ParamStore
 from chunkmem.residency import Residency
 from chunkmem.sharding import Span
 from chunkmem.staging import Staging
-
-MOMENTS = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
 
 
 def model_key(name: str) -> str:
@@ -223,7 +222,7 @@ def save_pieces(params: ParamStore, states: OptimizerStates, access: ChunkAccess
         if not layout.trainable:
             continue
         state_start = states.state_span(layout)[0]
-        for kind in MOMENTS:
+        for kind in states.moments:
             chunk = layout.chunks.get(kind)
             preloaded = states.preloaded(layout, kind)
             if chunk is not None:
@@ -261,7 +260,7 @@ def load_pieces(params: ParamStore, states: OptimizerStates, access: ChunkAccess
                 )
         if not layout.trainable:
             continue
-        for kind in MOMENTS:
+        for kind in states.moments:
             chunk = layout.chunks.get(kind)
             flat = access.flat(chunk) if chunk is not None else _fixed(states.preload(layout, kind))
             pieces += pieces_of_span(
@@ -275,7 +274,7 @@ def load_pieces(params: ParamStore, states: OptimizerStates, access: ChunkAccess
 
 
 def step_counts(
-    params: ParamStore, optimizer: ChunkAdam, span_of: Callable[[ChunkLayout], Span]
+    params: ParamStore, optimizer: ChunkOptimizer, span_of: Callable[[ChunkLayout], Span]
 ) -> dict[TensorSlot, torch.Tensor]:
     """Each trainable slot with part in ``span_of(layout)``: its step count (0-d, fp32, CPU)."""
     counts = {}

@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from chunkmem.engine import Engine
 
 _log = logging.getLogger("chunkmem")
-_HYPER_PARAMETERS = ("lr", "betas", "eps", "weight_decay")
 
 
 def engine_state(engine: Engine) -> dict[str, Any]:
@@ -28,7 +27,7 @@ def engine_state(engine: Engine) -> dict[str, Any]:
     return {
         "global_steps": engine.global_steps,
         "param_groups": [
-            {key: group[key] for key in _HYPER_PARAMETERS}
+            {key: group[key] for key in engine.optimizer.rule.hyper_parameter_keys}
             for group in engine.optimizer.param_groups
         ],
         "loss_scaler": engine.scaler.state_dict(),

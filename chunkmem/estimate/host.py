@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from chunkmem.config import Config
+from chunkmem.config import Config, speculative_reasons
 from chunkmem.sizing import STATE_DTYPES
+from chunkmem.update_rules import moment_count
 from offload.nvme import staging_bytes as nvme_staging_bytes
-from offload.overlap import speculative_reasons
 from offload.speculation import Snapshot
 from offload.speculation import held_bytes as speculation_held_bytes
 
@@ -29,9 +29,10 @@ class HostBytes:
 
 
 def state_bytes_per_element(config: Config, on_device: bool) -> int:
-    """fp32 master (bf16/fp16 only) and two moments, in the dtype of their home."""
-    moments = 4 if on_device or config.offload.state_dtype == "fp32" else 2
-    return (4 if config.precision != "fp32" else 0) + 2 * moments
+    """fp32 master (bf16/fp16 only) and the optimizer's moments (Adam's two, SGD's momentum
+    buffer where it has momentum), in the dtype of their home."""
+    moment = 4 if on_device or config.offload.state_dtype == "fp32" else 2
+    return (4 if config.precision != "fp32" else 0) + moment_count(config.optimizer) * moment
 
 
 def host_bytes(

@@ -265,9 +265,18 @@ def _engine_checkpoint(checkpoint: str | Path) -> Path:
 def _optimizer_from(config: Config, model: torch.nn.Module) -> torch.optim.Optimizer:
     """The config's optimizer, over every trainable parameter (DeepSpeed's one group)."""
     settings = config.optimizer
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if settings.type == "sgd":
+        return torch.optim.SGD(
+            trainable,
+            lr=settings.lr,
+            momentum=settings.momentum,
+            nesterov=settings.nesterov,
+            weight_decay=settings.weight_decay,
+        )
     optimizer_class = torch.optim.AdamW if settings.type == "adamw" else torch.optim.Adam
     return optimizer_class(
-        [p for p in model.parameters() if p.requires_grad],
+        trainable,
         lr=settings.lr,
         betas=tuple(settings.betas),
         eps=settings.eps,

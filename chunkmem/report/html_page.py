@@ -31,6 +31,7 @@ _COLORS = {
     "master": "#e15759",
     "exp_avg": "#76b7b2",
     "exp_avg_sq": "#59a14f",
+    "momentum_buffer": "#76b7b2",  # SGD's one moment, in Adam's first moment's colour
     "workspace": "#edc949",
     NONMODEL: "#af7aa1",
 }

@@ -218,6 +218,8 @@ def _topk_settings(config: CompressionConfig, gradient_clipping: float) -> TopKS
         config.warmup_steps,
         config.momentum if config.momentum_correction else None,
         gradient_clipping,
+        # momentum correction under Adam comes with freeze_variance, under SGD without it
+        velocity_averages=config.freeze_variance,
     )
 
 

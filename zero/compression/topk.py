@@ -12,8 +12,11 @@ whose shard is ``n`` elements, each compressed step on each rank:
    the *mean* (norm about ``a / sqrt(N)``), so the same reasoning puts each rank at
    ``sqrt(N)`` times it ([Note: the local threshold]). The engine then does not clip
    the reduced sums again (:class:`LocalClipping`).
-2. **Momentum correction.** With it, the velocity ``u = m u + (1 - m) g`` (a ``DGC_VELOCITY``
-   chunk) is what accumulates: ``v += u``; without it ``v += g``. ``v`` is the residual chunk.
+2. **Momentum correction.** With it, the velocity (a ``DGC_VELOCITY`` chunk) is what
+   accumulates: ``v += u``; without it ``v += g``. ``v`` is the residual chunk. Under Adam the
+   velocity is its first moment's average, ``u = m u + (1 - m) g``; under SGD it is torch's
+   momentum buffer, ``u = m u + g`` (the paper's), and SGD applies the sums without momentum of
+   its own.
 3. **Coarse-grained top-k.** Slice ``j`` of ``v`` (rank ``j``'s ``n`` elements, zero-padded to
    ``s = ceil(n / G) * G``) is cut into blocks of ``G``; the ``k = ceil(d n / G)`` blocks with
    the largest sum of squares are sent (``d`` the density of this step), as ``k`` int32 block
@@ -24,9 +27,10 @@ whose shard is ``n`` elements, each compressed step on each rank:
 5. **Sum.** Rank ``j`` adds every rank's blocks into a zeroed fp32 slice in rank order and
    rounds once into the shard.
 
-With momentum correction the shard holds momentum sums, so Adam must not average them in again:
-the configuration requires ``freeze_variance`` and the frozen step takes them as its first
-moment (:class:`zero.compression.state.VarianceFreeze`).
+With momentum correction the shard holds momentum sums, so the optimizer must not add momentum
+again: under Adam the configuration requires ``freeze_variance`` and the frozen step takes them
+as its first moment (:class:`zero.compression.state.VarianceFreeze`); under SGD it requires
+``optimizer.momentum`` 0 (``chunkmem.config_compression``).
 
 Bytes each rank sends: ``(W - 1) k (4 + G b)`` for ``b``-byte gradients, against
 ``(W - 1) n b`` for the exact reduce-scatter: about ``d`` of it.
@@ -59,7 +63,9 @@ WARMUP_START_DENSITY = 0.25  # the paper's first warm-up epoch keeps 25%
 class TopKSettings:
     """DGC's settings: block size ``G``, final ``density``, the compressed steps over which the
     density falls to it, the exact ``warmup_steps`` before, the velocity's ``momentum`` (None:
-    no momentum correction) and the global ``gradient_clipping`` (0: no local clipping)."""
+    no momentum correction), the global ``gradient_clipping`` (0: no local clipping) and
+    whether the velocity averages (``u = m u + (1 - m) g``, Adam's first moment) or sums
+    (``u = m u + g``, SGD's momentum buffer)."""
 
     block: int
     density: float
@@ -67,6 +73,7 @@ class TopKSettings:
     warmup_steps: int
     momentum: float | None
     gradient_clipping: float
+    velocity_averages: bool = True
 
     def density_at(self, step: int) -> float:
         """The density of the compressor's step ``step`` (1-based, warm-up included): from 0.25
@@ -200,7 +207,8 @@ class _TopKWork(PooledExchange):
                 velocity = velocity_chunk.payload
                 momentum = settings.momentum
                 assert momentum is not None
-                velocity.mul_(momentum).add_(full, alpha=(1 - momentum) * coefficient)
+                weight = (1 - momentum) if settings.velocity_averages else 1.0
+                velocity.mul_(momentum).add_(full, alpha=weight * coefficient)
                 accumulated.add_(velocity)
             else:
                 accumulated.add_(full, alpha=coefficient)
