@@ -18,7 +18,8 @@ variance frozen; `auto` with the 20% warm-up (its judge times it). At
 forward: what `zero.overlap_step_gather`, on in every other ZeRO-2 run, is worth) run too (not
 in `--quick`). So do the methods under the optimizer their papers were published with,
 momentum SGD (`PAPERS_SGD`; not in `--quick`, reported, not interleaved): `none-sgd`,
-`powersgd-sgd` (rank 4, the same 10% exact warm-up), `dgc-sgd` (the paper's recipe: momentum
+`powersgd-sgd` (rank 4, the same 10% exact warm-up, and torch's hook beside it,
+`ddp_powersgd_hook-sgd`: the method's cost under SGD apart from the engine's), `dgc-sgd` (the paper's recipe: momentum
 correction carries the momentum, `u = m u + g`, so the optimizer's own is 0; the sparsity
 warm-up, no exact one) and `onebit-sgd` (1-bit SGD: sign and block scale with error feedback
 from the first step). At
@@ -44,8 +45,8 @@ steps' losses), `powersgd_time_to_loss_ratio_vs_torch_hook` (and its ablations
 time to loss, its link probe at initialize included, over the best fixed choice's at that
 rate, `none` included; `auto_time_ratio_vs_best_fixed` is the larger of the two) and
 `auto_choice_<rate>`. Under the papers' optimizer:
-`final_loss_rel_diff_vs_uncompressed_<method>_momentum_sgd` for powersgd, dgc and onebit,
-against `none-sgd`.
+`final_loss_rel_diff_vs_uncompressed_<method>_momentum_sgd` for powersgd, dgc, onebit and
+torch's hook (`ddp_powersgd_hook`), against `none-sgd`.
 """
 
 from __future__ import annotations
@@ -132,8 +133,8 @@ def _train_interleaved(
     trainers, settles = {}, {}
     engines = {}
     for run in runs:
-        if run["name"] == TORCH_HOOK:
-            trainers[run["name"]], settles[run["name"]] = _ddp_trainer(spec), _nothing
+        if run["name"].startswith(TORCH_HOOK):
+            trainers[run["name"]], settles[run["name"]] = _ddp_trainer(spec, run), _nothing
         else:
             engine, trainers[run["name"]] = _engine_trainer(spec, run)
             engines[run["name"]], settles[run["name"]] = engine, engine.wait_for_parameters
@@ -216,9 +217,10 @@ def _engine_trainer(spec: dict, run: dict):
     return engine, step
 
 
-def _ddp_trainer(spec: dict):
+def _ddp_trainer(spec: dict, run: dict):
     """torch DDP with the PowerSGD communication hook, the recipe's counterpart: fp32
-    parameters, bf16 autocast (when the run trains in bf16), clipping 1.0, AdamW."""
+    parameters, bf16 autocast (when the run trains in bf16), clipping 1.0, AdamW (or the
+    run's ``optimizer``: momentum SGD)."""
     import torch
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
@@ -233,7 +235,16 @@ def _ddp_trainer(spec: dict):
         start_powerSGD_iter=max(2, spec["powersgd_warmup"]),  # the hook needs 2 at least
     )
     model.register_comm_hook(state, powersgd.powerSGD_hook)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1)
+    settings = run.get("optimizer")
+    if settings is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=spec["lr"], weight_decay=0.1)
+    else:
+        optimizer = torch.optim.SGD(
+            model.parameters(),
+            lr=settings["lr"],
+            momentum=settings["momentum"],
+            weight_decay=settings["weight_decay"],
+        )
 
     def step(x, y, index: int) -> tuple[float, int]:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=spec["precision"] == "bf16"):
@@ -309,6 +320,7 @@ def _runs(setup: dict, rate: str) -> list[dict[str, Any]]:
             runs.append(run(f"{m}-offload", m, steps, offload=True))
         runs += [papers_sgd_run(m, steps, steps if m == "none" else longer)
                  for m in ("none", *SGD_METHODS)]  # fmt: skip
+        runs.append({"name": TORCH_HOOK + SGD_SUFFIX, "steps": longer, "optimizer": PAPERS_SGD})
     return runs
 
 
@@ -392,7 +404,7 @@ def metrics(details: dict[str, Any]) -> dict[str, Any]:
             ours["final_loss"] - none["final_loss"]
         ) / none["final_loss"]
     exact_sgd = slow.get("none" + SGD_SUFFIX)
-    for method in SGD_METHODS:
+    for method in (*SGD_METHODS, TORCH_HOOK):
         ours = slow.get(method + SGD_SUFFIX)
         if ours is not None and exact_sgd is not None:
             out[f"final_loss_rel_diff_vs_uncompressed_{method}_momentum_sgd"] = (
