@@ -41,7 +41,8 @@ class LayoutUpdate:
         self.slot_ids = {id(slot) for slot in slots}
         self.chunks = chunks  # pinned on the work tier until ``finish``
         self.pieces = pieces
-        self.steps = steps  # the step counts this update advanced
+        self.steps = steps  # the step counts this update advances as its run starts
+        self.steps_advanced = False
         # Run on the update's thread once its reads are in, before the kernels (a speculative
         # update copies what it will overwrite: offload/speculation.py).
         self.before_run: list[Callable[[], None]] = []
@@ -61,6 +62,10 @@ class LayoutUpdate:
         self._reads = reads
 
     def run(self) -> None:
+        # Advanced here, not when prepared: on the thread that runs the kernels, which are the
+        # only readers until the update finishes (one op fewer on the engine's thread).
+        torch._foreach_add_(self.steps, 1)
+        self.steps_advanced = True
         for read in self._reads:
             read.wait()
         for hook in self.before_run:

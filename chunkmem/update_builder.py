@@ -1,5 +1,5 @@
 """How one layout is updated where its optimizer states live: :class:`UpdateBuilder` pins
-the chunks, advances the step counts and builds the kernel calls of a
+the chunks, finds the step counts (which the update's run advances) and builds the kernel calls of a
 :class:`~chunkmem.layout_update.LayoutUpdate` (see [Note: an update in three parts] in
 ``chunkmem.optimizer``; ``ChunkOptimizer`` orders the layouts and owns the step). The native host
 kernels' calls are built here; torch's kernel is ``chunkmem.torch_update``."""
@@ -88,7 +88,7 @@ def _only(call: Callable[[], None], _measure: bool) -> KernelCalls:
 
 class UpdateBuilder:
     """Builds one layout's update where its optimizer states live: the chunks ready and
-    pinned on the work tier, step counts advanced, and the kernel calls (the native host
+    pinned on the work tier, step counts found (the run advances them), and the kernel calls (the native host
     optimizer in host memory, torch's fused kernel on the device or without the native
     library). ``param_groups`` is the optimizer's list, read at every build: a scheduler may
     change it. ``host_threads``: OpenMP threads of the native host kernels (None: torch's
@@ -133,7 +133,8 @@ class UpdateBuilder:
         into: dict[ChunkKind, torch.Tensor] | None = None,
         grads_saved: Callable[[], list[torch.Tensor | None]] | None = None,
     ) -> LayoutUpdate:
-        """Chunks ready and pinned on the work tier, step counts advanced, gradients staged;
+        """Chunks ready and pinned on the work tier, step counts found (``run`` advances them,
+        on its thread), gradients staged;
         the kernel calls are built by ``run``, on its thread. ``defer_reads``: states still being read from their home are waited for in
         ``run`` (on its thread), not here. ``into``: host tensors laid out like the payloads
         of those chunk kinds, which receive their new values (the chunks are only read: an
@@ -151,7 +152,6 @@ class UpdateBuilder:
             device = value.payload.device  # type: ignore[union-attr]
             slots = list(dict.fromkeys(slot for slot, _lo, _hi in pieces))
             steps = [self._step_tensor(s, device) for s in slots]
-            torch._foreach_add_(steps, 1)
             step_of = dict(zip(map(id, slots), steps, strict=True))
             grad_scale = (
                 None

@@ -239,10 +239,11 @@ class Snapshot:
 
     def restore(self, staging: Staging) -> None:
         """Write every copied element back where its chunk lives now (its home after the
-        update finished), take the step counts back, and give the 16-bit values their old
-        bits: the rounded masters, or the gradient the slot held. The shadows are left as
-        they are: the chunks they stand for were only read. An update whose run failed before
-        its kernels overwrote nothing: its copies, never filled, are not written back."""
+        update finished), take the step counts back (where its run advanced them), and give
+        the 16-bit values their old bits: the rounded masters, or the gradient the slot held.
+        The shadows are left as they are: the chunks they stand for were only read. An update
+        whose run failed before its kernels overwrote nothing: its copies, never filled, are
+        not written back."""
         assert self.update is not None
         layout = self.layout
         for (kind, pieces, _grads), buffer in self._saved if self._taken else ():
@@ -250,7 +251,8 @@ class Snapshot:
             with staging.borrowed(chunk, write=True, reason="rollback"):
                 views = spans(chunk, pieces)
                 torch._foreach_copy_(views, list(torch.split(buffer, [v.numel() for v in views])))
-        torch._foreach_sub_(self.update.steps, 1)
+        if self.update.steps_advanced:
+            torch._foreach_sub_(self.update.steps, 1)
         master = layout.chunks.get(ChunkKind.MASTER)
         if master is not None:
             in_slot = {id(s) for s in self.grad_slots}
