@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from chunkmem.binding import ParamBinder
-from chunkmem.config import Config
+from chunkmem.config import Config, check_overlap_updates
+from chunkmem.config_compression import check_optimizer
 from chunkmem.devices import make_device
 from chunkmem.engine import Engine, engine_of
 from chunkmem.errors import CapacityError, ConfigError
@@ -98,6 +99,8 @@ def initialize(
             )
     if not named:
         raise ConfigError("the model has no parameters; there is nothing for chunkmem to manage")
+    param_groups, group_of, rule = _param_groups(model, optimizer, config)
+    _check_rule(config, rule, param_groups)
     if comm is not None and not config.zero.stage:
         raise ConfigError(
             "initialize() got a communicator but config key 'zero.stage' is 0: set zero.stage "
@@ -114,12 +117,6 @@ def initialize(
     world_size = comm.size if comm else 1
     _say_if_dtypes_change(named, compute_dtype, config.precision)
 
-    param_groups, group_of, rule = _param_groups(model, optimizer, config)
-    if rule.name == "sgd" and config.compression.freeze_variance:
-        raise ConfigError(
-            "config key 'compression.freeze_variance' freezes Adam's second moment; the "
-            "optimizer passed to initialize is SGD, which has none. Turn it off"
-        )
     unique = list(dict.fromkeys(p for _n, p in named))
     trainable = [p for p in unique if p.requires_grad]
     frozen = [p for p in unique if not p.requires_grad]
@@ -154,8 +151,9 @@ def initialize(
     tiers = _tiers(config, device, capacity)
     ledger = Ledger(tiers.capacities(), config.report.max_move_events)
     _reserve_offload(
-        config, tiers, ledger, trainable, choice.trainable.size, world_size, mixed, state_dtype
-    )
+        config, tiers, ledger, trainable, choice.trainable.size, world_size, mixed, state_dtype,
+        len(rule.moments),
+    )  # fmt: skip
     placement = Placement(
         config.placement.policy,
         config.placement.prefetch,
@@ -279,6 +277,7 @@ def _reserve_offload(
     world_size: int,
     mixed: bool,
     state_dtype: torch.dtype,
+    moments: int,
 ) -> None:
     """Count tiers' staging buffers as host workspace, and check that a tier outside memory
     has room for what the config will put there; either failing closes the tiers."""
@@ -295,7 +294,7 @@ def _reserve_offload(
         if config.offload.optimizer == "nvme":
             numels = [p.numel() for p in trainable]
             elements = (sum(numels) + padding_for(numels, chunk_size)) // world_size
-            per_element = (4 if mixed else 0) + 2 * state_dtype.itemsize
+            per_element = (4 if mixed else 0) + moments * state_dtype.itemsize
             # Whole groups, rounded up, and one more that may be in flight at a step.
             group = chunk_size // world_size * per_element
             offloaded = math.ceil(config.offload.optimizer_ratio * elements * per_element)
@@ -355,6 +354,17 @@ def _param_groups(
                 f"the optimizer or set requires_grad=False"
             )
     return groups, group_of, rule
+
+
+def _check_rule(config: Config, rule: UpdateRule, groups: list[dict[str, Any]]) -> None:
+    """What the config asks of the optimizer, against the one given (the config checks its own
+    ``optimizer`` section; a torch optimizer passed to ``initialize`` may differ from it)."""
+    momentum = max((float(g.get("momentum", 0.0)) for g in groups), default=0.0)
+    try:
+        check_optimizer(config.compression, rule.name, momentum)
+        check_overlap_updates(config, rule.name, rule.out_of_place)
+    except ValueError as error:
+        raise ConfigError(f"{error} (the optimizer given to initialize)") from None
 
 
 def _join_world(config: Config):

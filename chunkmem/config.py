@@ -41,7 +41,10 @@ class OptimizerConfig(Section):
     )
     eps: float = Field(1e-8, gt=0, description="adam/adamw: added to the denominator.")
     weight_decay: float = Field(
-        0.01, ge=0, description="L2 penalty (adam, sgd) or decoupled decay (adamw)."
+        0.01,
+        ge=0,
+        description="L2 penalty (adam, sgd) or decoupled decay (adamw); the default is every "
+        "type's (torch.optim.SGD's own is 0).",
     )
     momentum: float = Field(0.0, ge=0, description="sgd: the momentum factor (0: plain SGD).")
     nesterov: bool = Field(False, description="sgd: Nesterov momentum (needs momentum > 0).")
@@ -378,13 +381,7 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _sgd_updates_in_place(self) -> Config:
-        reasons = speculative_reasons(self)
-        if self.optimizer.type == "sgd" and self.offload.overlap and reasons:
-            raise ValueError(
-                f"offload.overlap starts host updates in backward speculatively here "
-                f"({'; '.join(reasons)}), which needs an update written out of place; SGD's "
-                f"kernel updates in place only. Set offload.overlap false, or use adam/adamw"
-            )
+        check_overlap_updates(self, self.optimizer.type, out_of_place=self.optimizer.type != "sgd")
         return self
 
     @classmethod
@@ -425,6 +422,19 @@ def _move_optimizer_states_key(data: Any) -> Any:
     offload["optimizer"] = value
     data["placement"], data["offload"] = placement, offload
     return data
+
+
+def check_overlap_updates(config: Config, optimizer: str, out_of_place: bool) -> None:
+    """The speculative overlap writes an early update's new states out of place (to undo it);
+    an optimizer whose kernel updates in place only cannot take part."""
+    reasons = speculative_reasons(config)
+    if config.offload.overlap and reasons and not out_of_place:
+        raise ValueError(
+            f"offload.overlap starts host updates in backward speculatively here "
+            f"({'; '.join(reasons)}), which needs an update written out of place; the "
+            f"{optimizer} kernel updates in place only. Set offload.overlap false, or use "
+            f"adam/adamw"
+        )
 
 
 def speculative_reasons(config: Config) -> list[str]:

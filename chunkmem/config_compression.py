@@ -181,7 +181,7 @@ def check_compression(config: Config) -> None:
             f"compression.type {method!r} and zero.quantized_gradients both replace the "
             f"gradient reduce-scatter; choose one"
         )
-    _check_optimizer(config)
+    check_optimizer(config.compression, config.optimizer.type, config.optimizer.momentum)
     skips = config.precision == "fp16" or config.nonfinite == "skip"
     if config.compression.freeze_variance and skips:
         why = "precision fp16" if config.precision == "fp16" else "nonfinite 'skip'"
@@ -201,12 +201,13 @@ def check_compression(config: Config) -> None:
         )
 
 
-def _check_optimizer(config: Config) -> None:
-    """Momentum correction sends momentum sums, so the optimizer must not add momentum again:
-    Adam takes them as its first moment with the variance frozen, SGD applies them as they
-    are. SGD has no variance to freeze."""
-    compression, optimizer = config.compression, config.optimizer
-    if optimizer.type != "sgd":
+def check_optimizer(compression: CompressionConfig, optimizer: str, momentum: float) -> None:
+    """What the optimizer (``optimizer``: adam, adamw or sgd, the largest group ``momentum``)
+    must be beside ``compression``: momentum correction sends momentum sums, so the optimizer
+    must not add momentum again (Adam takes them as its first moment with the variance
+    frozen, SGD applies them as they are), and SGD has no variance to freeze. The config
+    checks its own optimizer; ``initialize`` the one it is given."""
+    if optimizer != "sgd":
         if compression.momentum_correction and not compression.freeze_variance:
             raise ValueError(
                 "compression.momentum_correction sends momentum sums, which Adam must take as "
@@ -217,13 +218,13 @@ def _check_optimizer(config: Config) -> None:
         return
     if compression.freeze_variance:
         raise ValueError(
-            "compression.freeze_variance freezes Adam's second moment; optimizer.type 'sgd' "
-            "has none. Leave it off (or use adam/adamw)"
+            "compression.freeze_variance freezes Adam's second moment; the optimizer is SGD, "
+            "which has none. Leave it off (or use adam/adamw)"
         )
-    if compression.momentum_correction and optimizer.momentum != 0:
+    if compression.momentum_correction and momentum != 0:
         raise ValueError(
             f"compression.momentum_correction is the momentum under SGD: each rank keeps "
             f"u = m u + g (m = compression.momentum) and SGD applies the summed u as it is; "
-            f"optimizer.momentum {optimizer.momentum} would add momentum twice. Set "
-            f"optimizer.momentum to 0"
+            f"optimizer momentum {momentum} would add momentum twice. Set the optimizer's "
+            f"momentum to 0"
         )

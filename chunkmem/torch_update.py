@@ -54,9 +54,7 @@ class TorchUpdate:
     ) -> None:
         if ChunkKind.MASTER in chunks:
             self._step_mixed(chunks, pieces, step_of, grad_scale, home)
-        elif all(hi - lo == s.numel for s, lo, hi in pieces) and all(
-            chunks[kind].is_whole for kind in (ChunkKind.PARAM, *self.groups.rule.moments)
-        ):
+        elif all(hi - lo == s.numel for s, lo, hi in pieces) and self._unsharded(chunks, slots):
             self._fused(  # whole slots of whole chunks: cached views, no slicing
                 slots,
                 chunks[ChunkKind.PARAM].views(slots),
@@ -74,6 +72,14 @@ class TorchUpdate:
                 [step_of[id(s)] for s, _lo, _hi in pieces],
                 grad_scale,
             )
+
+    def _unsharded(self, chunks: dict[ChunkKind, Chunk], slots: list[TensorSlot]) -> bool:
+        """Whether the values, the moments and the gradients are whole chunks (no ZeRO shard
+        of the layout): slot views then find each parameter at its offset. The moments alone
+        do not say it: a rule may have none (SGD without momentum)."""
+        kinds = (ChunkKind.PARAM, *self.groups.rule.moments)
+        source = self.grads.reducer.grad_source
+        return all(chunks[k].is_whole for k in kinds) and all(source(s).is_whole for s in slots)
 
     def _step_mixed(self, chunks, pieces, step_of, grad_scale, home: StorageTier) -> None:
         """fp32 masters: cast gradients to fp32 a workspace at a time, update, write back."""

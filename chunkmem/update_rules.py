@@ -125,9 +125,17 @@ class SgdRule(UpdateRule):
         self.moments = (ChunkKind.MOMENTUM_BUFFER,) if with_momentum else ()
 
     def hyper_parameters(self, group: dict[str, Any]) -> dict[str, Any]:
+        momentum = float(group["momentum"])
+        if momentum != 0 and not self.moments:
+            raise ConfigError(
+                f"an SGD param group has momentum {momentum}, but no group had momentum at "
+                f"initialize, so the engine keeps no momentum buffer (a scheduler that cycles "
+                f"momentum, or a checkpoint's, sets it later). Build the optimizer with the "
+                f"momentum it will have (> 0), or keep it 0"
+            )
         return {
             "lr": float(group["lr"]),
-            "momentum": float(group["momentum"]),
+            "momentum": momentum,
             "dampening": float(group["dampening"]),
             "nesterov": bool(group["nesterov"]),
             "weight_decay": float(group["weight_decay"]),

@@ -27,7 +27,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config, speculative_reasons
-from chunkmem.errors import ConfigError
 from chunkmem.optimizer import ChunkOptimizer
 from chunkmem.sharding import GradReducer
 from offload.speculation import Speculation
@@ -132,13 +131,6 @@ def attach(
     if not config.offload.overlap:
         return None
     reasons = speculative_reasons(config)
-    if reasons and not optimizer.rule.out_of_place:
-        raise ConfigError(
-            f"offload.overlap starts host updates in backward speculatively here "
-            f"({'; '.join(reasons)}), which needs an update written out of place; the "
-            f"{optimizer.rule.name} kernel updates in place only. Set offload.overlap false, "
-            f"or use Adam/AdamW"
-        )
     if reasons:
         optimizer.speculation = Speculation(optimizer.residency, config.offload.speculation_bytes)
         _log.info(

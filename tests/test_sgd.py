@@ -100,16 +100,18 @@ def test_a_torch_sgd_with_two_groups_keeps_each_groups_settings() -> None:
 
 # ------------------------------------------------------------------ ZeRO on 2 ranks
 
-# (param, grad, optimizer-state) bytes per element in bf16: 16-bit copy and gradient, fp32
-# master and momentum buffer (or the master alone without momentum).
-STATE_BYTES = {0.9: (2, 2, 8), 0.0: (2, 2, 4)}
+# (param, grad, optimizer-state) bytes per element: in bf16 the 16-bit copy and gradient, an
+# fp32 master and the momentum buffer (or the master alone without momentum); fp32 training
+# without momentum keeps no optimizer state at all.
+STATE_BYTES = {("bf16", 0.9): (2, 2, 8), ("bf16", 0.0): (2, 2, 4), ("fp32", 0.0): (4, 4, 0)}
 
 
-def zero_rank(comm, stage: int, momentum: float) -> dict:
+def zero_rank(comm, stage: int, precision: str, momentum: float) -> dict:
     with one_rank_at_a_time(comm):
         torch.manual_seed(0)
         model = GPT(CONFIG)
-    config = sgd_config("bf16", "auto", momentum, False, zero={"stage": stage, "timeout_s": 20})
+    zero = {"stage": stage, "timeout_s": 20}
+    config = sgd_config(precision, "auto", momentum, False, zero=zero)
     engine = chunkmem.initialize(model, comm=comm, config=config)
     rows = global_rows(comm.size)[:, comm.rank * 2 : comm.rank * 2 + 2]
     kinds = {k.value for k in (ChunkKind.PARAM, ChunkKind.GRAD, ChunkKind.MASTER)}
@@ -135,20 +137,23 @@ def global_rows(world: int) -> torch.Tensor:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("momentum", [0.9, 0.0])
-def test_zero_stages_train_sgd_as_one_process_with_their_bytes(momentum) -> None:
+@pytest.mark.parametrize(("precision", "momentum"), list(STATE_BYTES))
+def test_zero_stages_train_sgd_as_one_process_with_their_bytes(precision, momentum) -> None:
+    """fp32 without momentum: whole-slot views of a whole parameter chunk beside a gradient
+    shard (ZeRO 1-2) must not be taken for an unsharded layout."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     rows = global_rows(2)
     batches = [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in rows]
     expected = train_reference(
-        model, batches, precision="bf16", optimizer_for=torch_sgd(momentum, False)
+        model, batches, precision=precision, optimizer_for=torch_sgd(momentum, False)
     ).masters
-    p, g, s = STATE_BYTES[momentum]
+    p, g, s = STATE_BYTES[(precision, momentum)]
+    tolerance = 1e-2 if precision == "bf16" else 1e-5
     for stage in (1, 2, 3):
-        for result in run_threads(zero_rank, 2, stage, momentum, timeout_s=30):
+        for result in run_threads(zero_rank, 2, stage, precision, momentum, timeout_s=30):
             ours = {k: v for k, v in result["state"].items() if k in expected}
-            assert max_relative_diff(ours, expected) <= 1e-2, f"stage {stage}"
+            assert max_relative_diff(ours, expected) <= tolerance, f"stage {stage}"
             n = result["elements"]
             formula = {1: (p + g) * n + s * n // 2, 2: p * n + (g + s) * n // 2}
             assert result["state_bytes"] == formula.get(stage, (p + g + s) * n // 2)
@@ -184,6 +189,33 @@ def test_the_momentum_buffer_survives_resharding_from_two_ranks_to_one(tmp_path)
     assert all(saved[k].abs().sum() > 0 for k in buffers)
     assert saved.keys() == resaved.keys()
     assert all(torch.equal(saved[k], resaved[k]) for k in saved)
+
+
+def test_a_checkpoint_with_a_momentum_buffer_does_not_load_into_sgd_without(tmp_path) -> None:
+    torch.manual_seed(0)
+    with_momentum = chunkmem.initialize(GPT(CONFIG), config=sgd_config("fp32", "auto", 0.9, False))
+    row = global_rows(1)[0]
+    with_momentum.backward(with_momentum(row[:, :-1], row[:, 1:]))
+    with_momentum.step()
+    with_momentum.save_checkpoint(tmp_path / "ck")
+    without = chunkmem.initialize(GPT(CONFIG), config=sgd_config("fp32", "auto", 0.0, False))
+    with pytest.raises(CheckpointError, match=r"optimizer moments: \['momentum_buffer'\] in"):
+        without.load_checkpoint(tmp_path / "ck")
+
+
+def test_momentum_set_after_initialize_without_a_buffer_is_refused() -> None:
+    """A scheduler that cycles momentum (OneCycleLR) writes it into the groups later."""
+    model = GPT(CONFIG)
+    engine = chunkmem.initialize(
+        model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        config={"device": {"type": "simulated", "capacity": "64MiB"}},
+    )
+    engine.optimizer.param_groups[0]["momentum"] = 0.9
+    row = global_rows(1)[0]
+    engine.backward(engine(row[:, :-1], row[:, 1:]))
+    with pytest.raises(ConfigError, match="no group had momentum at initialize"):
+        engine.step()
 
 
 def test_an_adam_checkpoint_does_not_load_into_sgd(tmp_path) -> None:
@@ -233,7 +265,7 @@ def test_the_estimate_counts_the_optimizers_moments(optimizer, precision, expect
                 "gradient_clipping": 1.0,
                 "offload": {"optimizer": "host", "overlap": True},
             },
-            "SGD's kernel updates in place only",
+            "the sgd kernel updates in place only",
         ),
         (
             {
@@ -272,6 +304,36 @@ def test_a_torch_sgd_setting_chunkmem_does_not_do_is_refused(settings, message) 
             model,
             optimizer=torch.optim.SGD(model.parameters(), lr=LR, **settings),
             config={"device": {"type": "simulated", "capacity": "64MiB"}},
+        )
+
+
+@pytest.mark.parametrize(
+    ("config", "settings", "message"),
+    [
+        (
+            {"compression": {"type": "onebit", "warmup_steps": 2, "freeze_variance": True}},
+            {},
+            "the optimizer is SGD, which has none",
+        ),
+        (
+            {
+                "optimizer": {"type": "sgd"},
+                "compression": {"type": "dgc", "momentum_correction": True},
+            },
+            {"momentum": 0.9},
+            "optimizer momentum 0.9 would add momentum twice",
+        ),
+    ],
+)
+def test_compression_is_checked_against_the_torch_optimizer_given(
+    config, settings, message
+) -> None:
+    """The config's own optimizer section may not be the optimizer passed."""
+    model = GPT(CONFIG)
+    config = {"device": {"type": "simulated", "capacity": "64MiB"}, "zero": {"stage": 2}, **config}
+    with pytest.raises(ConfigError, match=message):
+        chunkmem.initialize(
+            model, optimizer=torch.optim.SGD(model.parameters(), lr=LR, **settings), config=config
         )
 
 

@@ -68,6 +68,7 @@ def describe(engine: Engine) -> dict[str, Any]:
         "world_size": params.sharding.world_size,
         "precision": config.precision,
         "optimizer": engine.optimizer.rule.name,
+        "moments": [kind.value for kind in engine.states.moments],
         "param_groups": len(engine.optimizer.param_groups),
         "chunk_size": engine.chunk_choice.trainable.size,
         "frozen_chunk_size": engine.chunk_choice.frozen.size,
@@ -98,6 +99,13 @@ def differences(saved: dict[str, Any], engine: dict[str, Any]) -> list[str]:
         problems.append(
             f"optimizer: {saved['optimizer']} in the checkpoint, {engine['optimizer']} in the "
             f"engine (config key 'optimizer.type', or the torch optimizer passed to initialize)"
+        )
+    saved_moments = saved.get("moments", engine["moments"])  # recorded since SGD
+    if saved["optimizer"] == engine["optimizer"] and saved_moments != engine["moments"]:
+        problems.append(
+            f"optimizer moments: {saved_moments} in the checkpoint, {engine['moments']} in the "
+            f"engine (SGD keeps a momentum buffer only where a group has momentum at "
+            f"initialize)"
         )
     if saved["param_groups"] != engine["param_groups"]:
         problems.append(

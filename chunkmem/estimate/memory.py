@@ -41,6 +41,7 @@ from chunkmem.ledger import WORKSPACE
 from chunkmem.placement import offloaded_group_count, optimizer_state_device_groups
 from chunkmem.sizing import COMPUTE_DTYPES, separate_grads
 from chunkmem.torch_update import WORKSPACE_ELEMENTS
+from chunkmem.update_rules import moment_count
 
 ACTIVATIONS = "activations"
 
@@ -439,7 +440,7 @@ def _state_homes(
     rest = len(elements) - offloaded
     # What placement counts beside the states: the first (recording) cycle's non-model peak
     # (activations and a gradient being stored), and the dynamic chunks that exist then.
-    per_element = 8 + (4 if probe.mixed else 0)
+    per_element = 4 * moment_count(config.optimizer) + (4 if probe.mixed else 0)
     on_device = optimizer_state_device_groups(
         capacity,
         activation_peak(probe.trace),
