@@ -165,8 +165,9 @@ class ParamGatherer:
 class GradientsListener(Protocol):
     """Hears, in the last micro-batch's backward, when a layout's gradients are final."""
 
-    def begin(self) -> None:
-        """A backward whose gradients the next update reads starts."""
+    def begin(self, final_micro_batch: bool) -> None:
+        """A backward starts; the next update reads its gradients where it is the last
+        micro-batch of its accumulation window."""
 
     def final(self, layout: ChunkLayout) -> None:
         """Every gradient of ``layout`` the previous cycle saw is in and, under ZeRO,
@@ -295,8 +296,8 @@ class GradReducer:
         self._final_micro_batch = final_micro_batch
         self._arrived.begin()
         self._announced = set()
-        if final_micro_batch and self.listener is not None:
-            self.listener.begin()
+        if self.listener is not None:
+            self.listener.begin(final_micro_batch)
 
     def before_write(self, layout: ChunkLayout) -> None:
         """A gradient is about to be added to ``layout``'s gradient chunk."""

@@ -48,15 +48,22 @@ class OverlappedStep:
         self._order: list[int] = []  # layout indices, as they became final last cycle
         self._now: list[int] = []
         self._waiting: list[ChunkLayout] = []  # final, but a unit still holds a chunk
+        self._final_micro_batch = True  # whether this backward's gradients are the update's
         self._trainable: dict[int, ChunkLayout] | None = None  # by index, for this cycle
         self.started = 0  # updates started early, over the run
         reducer.listener = self
 
-    def begin(self) -> None:
+    def begin(self, final_micro_batch: bool) -> None:
+        """A backward starts. What still waited when the last one ended was the step's to
+        update; in a micro-batch that is not the window's last nothing starts early (its
+        gradients are not final)."""
+        self._waiting = []
+        self._final_micro_batch = final_micro_batch
+        if not final_micro_batch:
+            return
         if self._now:
             self._order = self._now
         self._now = []
-        self._waiting = []
         self._trainable = None
 
     def final(self, layout: ChunkLayout) -> None:
@@ -66,7 +73,8 @@ class OverlappedStep:
 
     def writing(self, layout: ChunkLayout) -> None:
         self.optimizer.wait_early(layout)
-        self._start_waiting()
+        if self._final_micro_batch:
+            self._start_waiting()
 
     def _start_waiting(self) -> None:
         """Start what can start: an fp32 update moves the parameter chunk to the host, which
