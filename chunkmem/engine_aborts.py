@@ -49,17 +49,17 @@ def abort_update(engine: Engine, error: BaseException, call: str) -> None:
         with contextlib.suppress(BaseException):  # if undoing fails, the engine stops
             optimizer.settle_speculation(held=False)
     updated = optimizer.layouts_updated
-    abort_cycle(engine, error)
-    if engine.stopped_because is not None:
-        return
-    if updated:
-        engine._stop(
-            f"{call} failed after it began updating {updated} chunk group(s) of "
-            f"parameters ({type(error).__name__}: {error}); the others were not "
-            f"updated, so the model is no longer one consistent state"
-        )
-    elif isinstance(error, TierDataError):
-        engine._stop(f"optimizer states were lost ({error})")
+    try:
+        abort_cycle(engine, error)  # may raise again what an early update's run raised
+    finally:
+        if engine.stopped_because is None and updated:
+            engine._stop(
+                f"{call} failed after it began updating {updated} chunk group(s) of "
+                f"parameters ({type(error).__name__}: {error}); the others were not "
+                f"updated, so the model is no longer one consistent state"
+            )
+        elif engine.stopped_because is None and isinstance(error, TierDataError):
+            engine._stop(f"optimizer states were lost ({error})")
 
 
 def discard(engine: Engine) -> None:

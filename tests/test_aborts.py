@@ -19,6 +19,7 @@ from torch import nn
 
 import chunkmem
 from chunkmem.errors import CollectiveError, EngineUsageError
+from chunkmem.layout_update import LayoutUpdate
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 
 WIDTH = 16
@@ -169,6 +170,34 @@ def test_a_step_that_fails_half_way_stops_the_engine_and_says_why(monkeypatch) -
     assert nothing_held(engine)
     with pytest.raises(EngineUsageError, match=r"failed after it began updating 2 chunk group"):
         engine(*data[2])
+
+
+def test_an_early_update_failing_on_the_host_thread_stops_the_engine(monkeypatch) -> None:
+    """With ``offload.overlap`` (no clipping: the early updates are final) a run that raises on
+    the host thread surfaces in backward after other groups were updated. Cancelling raised
+    the run's error again, and the stop was skipped: the engine trained on, half updated."""
+    engine = make_engine(precision="bf16", offload={"optimizer": "host", "overlap": True})
+    data = batches()
+    for x, y in data[:2]:
+        engine.backward(engine(x, y))
+        engine.step()
+    runs = []
+    real_run = LayoutUpdate.run
+
+    def third_run_fails(update: LayoutUpdate) -> None:
+        runs.append(1)
+        if len(runs) == 3:
+            raise RuntimeError("injected host-thread failure")
+        real_run(update)
+
+    monkeypatch.setattr(LayoutUpdate, "run", third_run_fails)
+    with pytest.raises(RuntimeError, match="injected host-thread failure"):
+        engine.backward(engine(*data[2]))
+    assert nothing_held(engine)
+    with pytest.raises(
+        EngineUsageError, match=r"engine.backward\(\) failed after it began updating"
+    ):
+        engine(*data[3])
 
 
 def test_a_step_whose_read_ahead_fails_releases_the_prepared_update(monkeypatch) -> None:
