@@ -267,6 +267,7 @@ class Engine:
             self.hooks.finish_backward()
             self.manager.release_all(TensorState.HOLD_AFTER_BWD)
             self.reducer.finish_backward()
+            self.optimizer.check_early_reads()
         except BaseException as error:
             engine_aborts.abort_update(self, error, "engine.backward()")
             raise

@@ -61,7 +61,8 @@ class GradStore:
     def store(self, param: torch.nn.Parameter) -> None:
         """Move ``param.grad`` into its chunk (adding to earlier contributions) and free it.
 
-        Runs once per parameter per backward, so it stays lean: the gradient in flight is
+        Runs once per gradient contribution (once per parameter per backward; twice for one
+        a reentrant activation checkpoint also uses), so it stays lean: the gradient in flight is
         counted as non-model memory while it exists, and nothing can evict the home chunk
         between fetching it and the copy.
         """

@@ -39,6 +39,9 @@ class LayoutUpdate:
     ) -> None:
         self.layout = layout
         self.slot_ids = {id(slot) for slot in slots}
+        # What each slot's gradient held when the update was prepared: a contribution added
+        # after that is one the update never reads (see ``grown_since_read``).
+        self._read = [(slot, slot.grad_contributions) for slot in slots]
         self.chunks = chunks  # pinned on the work tier until ``finish``
         self.pieces = pieces
         self.steps = steps  # the step counts this update advances as its run starts
@@ -76,6 +79,11 @@ class LayoutUpdate:
         self._builder.run_calls(built.calls)
         if built.norms is not None:  # measured by the calls, as they read the gradients
             self.grad_norms = built.measured_norms()
+
+    def grown_since_read(self) -> list[TensorSlot]:
+        """The slots whose gradient got another contribution after this update was prepared
+        (begun early, it read the gradient as it was then)."""
+        return [slot for slot, count in self._read if slot.grad_contributions != count]
 
     def wait(self) -> None:
         """Until a run on another thread is done; raises what it raised."""

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from chunkmem.chunk import ChunkKind, ChunkLayout, TensorSlot
-from chunkmem.errors import ConfigError
+from chunkmem.errors import ConfigError, EngineUsageError
 from chunkmem.layout_update import LayoutUpdate
 from chunkmem.pieces import Piece, owned_pieces
 from chunkmem.tiers import StorageTier
@@ -247,6 +247,23 @@ class ChunkOptimizer:
             if not self.states.home(update.layout).addressable:
                 update.wait()
                 update.finish()
+
+    def check_early_reads(self) -> None:
+        """After backward: no gradient an early update read got another contribution later.
+        The step would skip it (the early update took that parameter), so it would be lost;
+        this raises instead (the engine then stops, or undoes speculative updates)."""
+        late = [
+            slot.name for update in self.launched.values() for slot in update.grown_since_read()
+        ]
+        if late:
+            raise EngineUsageError(
+                f"{len(late)} parameter(s) got another gradient contribution after their "
+                f"update began in backward (offload.overlap): {', '.join(late[:3])}"
+                f"{', ...' if len(late) > 3 else ''}. Their gradients arrived in more parts "
+                f"than in the previous step (a data-dependent path, or a reentrant activation "
+                f"checkpoint whose parameters are also used outside it). Use "
+                f"torch.utils.checkpoint(..., use_reentrant=False), or set offload.overlap: false"
+            )
 
     def wait_early(self, layout: ChunkLayout) -> None:
         """Before anything writes ``layout``'s gradient chunks again: its early run is over."""

@@ -178,15 +178,16 @@ class GradientsListener(Protocol):
 
 
 class ExpectedGradients:
-    """Which slots of each layout got a gradient in this backward: a layout is final once
-    every one of its slots has one, from the first cycle on; or, once a cycle has been seen,
-    once the slots that got one in the previous cycle have (a parameter a branch leaves out is
-    not waited for; should the pattern change, a late gradient shows it and is reduced again
-    and added). Slots that get none at all are settled at the end of backward."""
+    """How many gradient contributions each slot of each layout got in this backward. A layout
+    is final once every one of its slots has one, in the first cycle; once a cycle has been
+    seen, once every slot has as many as in the previous cycle (a parameter used inside a
+    reentrant activation checkpoint and outside it gets two; a parameter a branch leaves out
+    is not waited for; should the pattern change, a late gradient shows it and is reduced
+    again and added). Slots that get none at all are settled at the end of backward."""
 
     def __init__(self) -> None:
-        self._stored: dict[int, set[int]] = {}  # layout -> slots that got a gradient
-        self._expected: dict[int, set[int]] = {}  # learned from the previous cycle
+        self._stored: dict[int, dict[int, int]] = {}  # layout -> slot -> contributions
+        self._expected: dict[int, dict[int, int]] = {}  # learned from the previous cycle
 
     @property
     def learned(self) -> bool:
@@ -196,20 +197,27 @@ class ExpectedGradients:
         self._stored = {}
 
     def add(self, slot: TensorSlot) -> None:
-        self._stored.setdefault(slot.layout.index, set()).add(id(slot))
+        counts = self._stored.setdefault(slot.layout.index, {})
+        counts[id(slot)] = counts.get(id(slot), 0) + 1
 
     def complete(self, layout: ChunkLayout) -> bool:
-        stored = self._stored.get(layout.index, set())
-        if len(stored) == len(layout.slots):
-            return True
-        return self.learned and self._expected.get(layout.index, set()) <= stored
+        if not self.learned:
+            return len(self._stored.get(layout.index, ())) == len(layout.slots)
+        return self._as_expected(layout)
 
     def all_in(self, layout: ChunkLayout) -> bool:
-        """Every slot of ``layout`` got its gradient in this backward."""
-        return len(self._stored.get(layout.index, ())) == len(layout.slots)
+        """Every slot of ``layout`` got its gradient in this backward (as many contributions
+        as in the previous cycle, once one has been seen)."""
+        every_slot = len(self._stored.get(layout.index, ())) == len(layout.slots)
+        return every_slot and self._as_expected(layout)
+
+    def _as_expected(self, layout: ChunkLayout) -> bool:
+        stored = self._stored.get(layout.index, {})
+        expected = self._expected.get(layout.index, {})
+        return all(stored.get(slot, 0) >= count for slot, count in expected.items())
 
     def learn(self) -> None:
-        self._expected = {index: set(stored) for index, stored in self._stored.items()}
+        self._expected = {index: dict(counts) for index, counts in self._stored.items()}
 
 
 class ReducerState(Protocol):

@@ -14,6 +14,8 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import chunkmem
 from chunkmem.devices import DeferredCopy, SimulatedDevice
@@ -484,3 +486,96 @@ def test_zero_with_accumulation_and_overlap_equals_the_serial_step(stage: int) -
     for rank in range(2):
         for name, value in serial[rank].items():
             assert torch.equal(overlapped[rank][name], value), (rank, name)
+
+
+class SharedInCheckpoint(torch.nn.Module):
+    """``shared`` runs before a reentrant activation checkpoint and, while ``inside`` is set,
+    inside it too: its gradient then arrives in two parts, the recomputation's last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Linear(16, 16)
+        self.mid = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 4)
+        self.inside = True
+
+    def block(self, h: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.mid(h))
+        return torch.tanh(self.shared(h)) if self.inside else h
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.shared(x))
+        h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
+        return F.mse_loss(self.head(h), y)
+
+
+def shared_in_checkpoint_engine(precision: str, overlap: bool, clip: float = 0.0):
+    torch.manual_seed(0)
+    model = SharedInCheckpoint()
+    engine = chunkmem.initialize(
+        model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+        config={
+            "chunk": {"size": 512},
+            "device": DEVICE,
+            "precision": precision,
+            "gradient_clipping": clip,
+            "offload": {"optimizer": "host", "overlap": overlap},
+        },
+    )
+    return model, engine
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_gradient_in_two_parts_is_waited_for_before_its_update_starts(precision: str) -> None:
+    """The early update of ``shared`` started at its first part, and the second was added
+    after it read the gradient and dropped by the step. Its layout is now final once every
+    slot has as many parts as in the previous cycle."""
+    runs = {}
+    for overlap in (False, True):
+        _model, engine = shared_in_checkpoint_engine(precision, overlap)
+        train_engine(engine, batches(5, rows=8))
+        runs[overlap] = engine.state_dict()
+        if overlap:
+            assert engine.reducer.listener.started >= 3
+        engine.close()
+    for name, value in runs[False].items():
+        assert torch.equal(runs[True][name], value), name
+
+
+def test_a_part_arriving_after_its_update_began_stops_the_engine_and_says_why() -> None:
+    """The pattern changes: ``shared`` gets one part in the first cycles, two in the next.
+    Its early update began after the first: not an exact step any more, so backward raises
+    and the engine stops (its updates were final, not speculative)."""
+    model, engine = shared_in_checkpoint_engine("fp32", overlap=True)
+    model.inside = False
+    data = batches(4, rows=8)
+    train_engine(engine, data[:2])
+    model.inside = True
+    with pytest.raises(EngineUsageError, match=r"another gradient contribution after their "):
+        engine.backward(engine(*data[2]))
+    with pytest.raises(EngineUsageError, match=r"use_reentrant=False"):
+        engine(*data[3])
+
+
+def test_a_part_arriving_after_a_speculative_update_began_drops_only_that_batch() -> None:
+    """Under clipping the early updates are speculative: undone exactly, the batch dropped,
+    and the next one (whose parts the previous cycle taught) trains as the serial engine.
+    (bf16: in fp32 the early update holds the parameter chunk itself, which the recomputation
+    then needs, and the engine stops on that instead.)"""
+    states = {}
+    for overlap in (False, True):
+        model, engine = shared_in_checkpoint_engine("bf16", overlap, clip=1.0)
+        model.inside = False
+        data = batches(5, rows=8)
+        train_engine(engine, data[:2])
+        model.inside = True
+        if overlap:
+            with pytest.raises(EngineUsageError, match=r"another gradient contribution"):
+                engine.backward(engine(*data[2]))
+            assert engine.stopped_because is None
+        train_engine(engine, data[3:])
+        states[overlap] = engine.state_dict()
+        engine.close()
+    for name, value in states[False].items():
+        assert torch.equal(states[True][name], value), name
