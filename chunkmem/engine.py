@@ -323,6 +323,8 @@ class Engine:
             self.lr_scheduler.step()
 
     def _end_cycle(self) -> None:
+        if self.reducer.state is not None:
+            self.reducer.state.window_stepped()
         self.grads.clear()
         self.gatherer.end_cycle()
         self.manager.reset_states()

@@ -49,6 +49,7 @@ def abort_update(engine: Engine, error: BaseException, call: str) -> None:
         with contextlib.suppress(BaseException):  # if undoing fails, the engine stops
             optimizer.settle_speculation(held=False)
     updated = optimizer.layouts_updated
+    carried = carried_by_compression(engine)
     try:
         abort_cycle(engine, error)  # may raise again what an early update's run raised
     finally:
@@ -58,8 +59,25 @@ def abort_update(engine: Engine, error: BaseException, call: str) -> None:
                 f"parameters ({type(error).__name__}: {error}); the others were not "
                 f"updated, so the model is no longer one consistent state"
             )
+        elif engine.stopped_because is None and carried:
+            engine._stop(
+                f"{call} failed ({type(error).__name__}: {error}) after {carried}; load "
+                f"the last checkpoint to go on"
+            )
         elif engine.stopped_because is None and isinstance(error, TierDataError):
             engine._stop(f"optimizer states were lost ({error})")
+
+
+def carried_by_compression(engine: Engine) -> str | None:
+    """Why the window's gradients cannot be dropped, if they cannot: gradient compression
+    already carried part of them into its state for the next steps."""
+    state = engine.reducer.state
+    if state is None or not state.carries_window():
+        return None
+    return (
+        "gradient compression's error feedback already holds part of this window's "
+        "gradients for the next steps, and cannot give it back"
+    )
 
 
 def discard(engine: Engine) -> None:
@@ -70,6 +88,12 @@ def discard(engine: Engine) -> None:
             f"engine.discard(): the update of {engine.optimizer.layouts_updated} chunk "
             f"group(s) already ran in backward (offload.overlap) and cannot be undone; "
             f"call engine.step() to complete it"
+        )
+    carried = carried_by_compression(engine)
+    if carried:
+        raise EngineUsageError(
+            f"engine.discard(): {carried}; call engine.step() to take the window, or load "
+            f"the last checkpoint"
         )
     abort_cycle(engine, EngineUsageError("discarded"))
 

@@ -228,6 +228,16 @@ class ReducerState(Protocol):
 
     def describe(self) -> dict[str, Any]: ...
 
+    def carries_window(self) -> bool:
+        """Whether a reduction since the last step changed what is kept for the next steps
+        (it then holds part of this window's gradients: a discarded window cannot be
+        undone)."""
+        ...
+
+    def window_stepped(self) -> None:
+        """The step took this window's gradients."""
+        ...
+
     def saved(self) -> dict[str, torch.Tensor]: ...
 
     def requested(self, saved: dict[str, Any], saved_world: int) -> dict[str, torch.Tensor]: ...

@@ -13,7 +13,7 @@ from torch import nn
 
 import chunkmem
 from chunkmem.cli.settings import ModelSettings
-from chunkmem.errors import ConfigError
+from chunkmem.errors import ConfigError, EngineUsageError
 from kernels import compression as codes_ops
 from kernels import compression_reference as reference
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
@@ -668,3 +668,68 @@ def test_a_checkpoint_with_residuals_does_not_load_without_compression(tmp_path)
 def load_without_compression(comm, directory: str) -> None:
     engine = _engine(comm, {"type": "none"}, 2, precision="bf16", chunk={"size": 512})
     engine.load_checkpoint(directory)
+
+
+def discarding_rank(comm, compression: dict) -> dict[str, Any]:
+    """Two steps, then a backward discarded, then a step: what discard said, and after."""
+    engine = _engine(comm, compression, 2, precision="bf16", chunk={"size": 512})
+    for step in range(2):
+        engine.backward(engine(*_batch(step, comm.rank)))
+        engine.step()
+    engine.backward(engine(*_batch(99, comm.rank)))
+    refusal = None
+    try:
+        engine.discard()
+    except EngineUsageError as error:
+        refusal = str(error)
+        engine.step()  # what the refusal asks for: the window is taken
+    return {"refusal": refusal, "stopped": engine.stopped_because}
+
+
+@pytest.mark.parametrize(
+    "compression",
+    [{"type": "onebit"}, {"type": "dgc", "density": 0.1}, {"type": "powersgd"}],
+    ids=["onebit", "dgc", "powersgd"],
+)
+def test_discarding_a_window_error_feedback_already_carries_is_refused(compression: dict) -> None:
+    """The residual (DGC's velocity, PowerSGD's) took part of the window's gradients during
+    backward's reductions: a discard would carry a dropped batch into the next steps (it did,
+    silently), so it is refused with what to do."""
+    for result in run_threads(discarding_rank, 2, compression):
+        assert result["refusal"] is not None
+        assert "error feedback already holds part of this window" in result["refusal"]
+        assert "engine.step()" in result["refusal"]
+        assert result["stopped"] is None
+
+
+def test_discarding_a_window_of_exact_warm_up_or_terngrad_is_undone() -> None:
+    """During the exact warm-up no residual changes, and TernGrad keeps none: the window is
+    dropped as without compression."""
+    for compression in ({"type": "onebit", "warmup_steps": 10}, {"type": "terngrad"}):
+        for result in run_threads(discarding_rank, 2, compression):
+            assert result["refusal"] is None, compression
+
+
+def failing_backward_rank(comm) -> dict[str, Any]:
+    engine = _engine(comm, {"type": "onebit"}, 2, precision="bf16", chunk={"size": 512})
+    engine.backward(engine(*_batch(0, comm.rank)))
+    engine.step()
+    loss = engine(*_batch(1, comm.rank))
+    original = engine.optimizer.check_early_reads
+
+    def fail_after_the_reductions() -> None:
+        original()
+        raise RuntimeError("injected failure after the reductions")
+
+    # the last thing backward does: its reductions ran, then it fails
+    engine.optimizer.check_early_reads = fail_after_the_reductions
+    with pytest.raises(RuntimeError, match="injected failure after the reductions"):
+        engine.backward(loss)
+    return {"stopped": engine.stopped_because}
+
+
+def test_a_backward_failing_after_compressed_reductions_stops_the_engine() -> None:
+    for result in run_threads(failing_backward_rank, 2):
+        assert result["stopped"] is not None
+        assert "error feedback already holds part of this window" in result["stopped"]
+        assert "load the last checkpoint" in result["stopped"]

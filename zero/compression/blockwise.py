@@ -125,7 +125,7 @@ class _BlockWork(PooledExchange):
         try:
             parts = carve(self._buffer, sizes)
             if code.error_feedback:
-                residual = owner.residuals.acquire(layout)
+                residual = owner.residuals.carry(layout)
                 source = residual.payload
                 source.add_(full)
             else:

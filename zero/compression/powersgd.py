@@ -189,7 +189,7 @@ class _PowerSGDWork:
             self._first_values = self._buffer[:p_bytes].view(torch.float32)
             self._q_values = self._buffer[aligned(p_bytes) : aligned(p_bytes) + 4 * plan.q_numel]
             self._q_values = self._q_values.view(torch.float32)
-            self._residual = owner.residuals.acquire(layout)
+            self._residual = owner.residuals.carry(layout)
             self._ps, self._qs, self._ms = [], [], []
             p_at, q_at = 0, 0
             for matrix in plan.matrices:

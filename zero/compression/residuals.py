@@ -26,6 +26,14 @@ class Residuals:
     def __init__(self, residency: Residency, kind: ChunkKind = EF_RESIDUAL) -> None:
         self.residency = residency
         self.kind = kind
+        # Whether a reduction changed a chunk of this store since the last step: what it
+        # carries then holds part of the window's gradients, which a discard cannot take back.
+        self.carried = False
+
+    def carry(self, layout: ChunkLayout) -> Chunk:
+        """:meth:`acquire` for a reduction, which changes what the chunk carries."""
+        self.carried = True
+        return self.acquire(layout)
 
     def acquire(self, layout: ChunkLayout) -> Chunk:
         chunk = layout.chunks.get(self.kind)

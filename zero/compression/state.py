@@ -103,6 +103,15 @@ class CompressionState:
         self.counter = counter
         self.decision = decision
 
+    def carries_window(self) -> bool:
+        """Whether a reduction since the last step changed a store (error feedback, DGC's
+        momentum; PowerSGD's ``Q`` changes with its residual)."""
+        return any(store.carried for store in self.stores)
+
+    def window_stepped(self) -> None:
+        for store in self.stores:
+            store.carried = False
+
     @staticmethod
     def _key(store: Residuals, rank: int, name: str) -> str:
         return f"{store.kind.value}.rank{rank}.{name}"

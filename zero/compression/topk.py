@@ -196,13 +196,13 @@ class _TopKWork(PooledExchange):
         held: list[Chunk] = []
         try:
             parts = carve(self._buffer, sizes)
-            residual = owner.residuals.acquire(layout)
+            residual = owner.residuals.carry(layout)
             held.append(residual)
             accumulated = residual.payload
             coefficient = owner.clip_coefficient(layout, full)
             velocity = None
             if owner.velocity is not None:
-                velocity_chunk = owner.velocity.acquire(layout)
+                velocity_chunk = owner.velocity.carry(layout)
                 held.append(velocity_chunk)
                 velocity = velocity_chunk.payload
                 momentum = settings.momentum
