@@ -77,6 +77,7 @@ class ChunkManager:
                 slot = self._slot_for_access(param)
             slots.append(slot)
         kind = self.params.compute_kind
+        self.grads.reducer.before_compute(slots)
         self.residency.room.ensure_on_device(
             list(dict.fromkeys(s.layout.chunks[kind] for s in slots))
         )

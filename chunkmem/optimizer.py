@@ -265,6 +265,13 @@ class ChunkOptimizer:
                 f"torch.utils.checkpoint(..., use_reentrant=False), or set offload.overlap: false"
             )
 
+    def finish_early(self, layout: ChunkLayout) -> None:
+        """``layout``'s early update, if one began, runs to its end and releases its chunks."""
+        update = self.launched.get(layout.index)
+        if update is not None and not update.finished:
+            update.wait()
+            update.finish()
+
     def wait_early(self, layout: ChunkLayout) -> None:
         """Before anything writes ``layout``'s gradient chunks again: its early run is over."""
         update = self.launched.get(layout.index)

@@ -176,6 +176,10 @@ class GradientsListener(Protocol):
     def writing(self, layout: ChunkLayout) -> None:
         """A gradient is about to be written into ``layout``'s gradient chunks."""
 
+    def computing(self, layout: ChunkLayout) -> None:
+        """A unit is about to compute on ``layout``'s parameters (in backward: a
+        recomputation after the layout was final, when the previous cycle misled)."""
+
 
 class ExpectedGradients:
     """How many gradient contributions each slot of each layout got in this backward. A layout
@@ -321,6 +325,12 @@ class GradReducer:
         """A gradient is about to be added to ``layout``'s gradient chunk."""
         if self.listener is not None:
             self.listener.writing(layout)
+
+    def before_compute(self, slots: list[TensorSlot]) -> None:
+        """A unit is about to compute on these parameters."""
+        if self.listener is not None:
+            for layout in dict.fromkeys(slot.layout for slot in slots):
+                self.listener.computing(layout)
 
     def stored(self, slot: TensorSlot) -> None:
         """``slot``'s gradient of this backward is in its chunk."""

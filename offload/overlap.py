@@ -76,6 +76,13 @@ class OverlappedStep:
         if self._final_micro_batch:
             self._start_waiting()
 
+    def computing(self, layout: ChunkLayout) -> None:
+        """A unit computes on ``layout`` after its update began (a recomputation the previous
+        cycle did not show): the update finishes first, releasing the chunks it holds. The
+        gradient that recomputation adds is then refused at the end of backward
+        (``ChunkOptimizer.check_early_reads``)."""
+        self.optimizer.finish_early(layout)
+
     def _start_waiting(self) -> None:
         """Start what can start: an fp32 update moves the parameter chunk to the host, which
         waits until the unit computing on it releases it (the next gradient's event)."""

@@ -89,7 +89,9 @@ def _powersgd(comm: _Comm, wire: WireBuffers, workspaces: _HostWorkspaces):
     layout = SimpleNamespace(index=0, slots=[slot])
     residual = SimpleNamespace(payload=torch.zeros(512), unpinned=0)
     residual.unpin = lambda: setattr(residual, "unpinned", residual.unpinned + 1)
-    residuals = SimpleNamespace(residency=workspaces, acquire=lambda layout: residual)
+    residuals = SimpleNamespace(
+        residency=workspaces, acquire=lambda layout: residual, carry=lambda layout: residual
+    )
     settings = PowerSGDSettings(rank=2, min_compression_rate=1.0, seed=0)
     reduction = PowerSGDReduceScatter(comm, wire, residuals, settings, "bwd")
     return reduction.launch(layout, torch.randn(512), torch.zeros(128)), residual
