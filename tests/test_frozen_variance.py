@@ -20,7 +20,15 @@ from kernels import host_optim
 from kernels.host_optim import NewStates
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
 from tests.test_checkpoints import moments
-from tests.test_compression import WORLD, _batch, _engine, train_recorded
+from tests.test_compression import (
+    WORLD,
+    _batch,
+    _engine,
+    assert_trains_like,
+    moved_since,
+    parameters,
+    train_recorded,
+)
 
 HYPER = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.1, "eps": 1e-8}
 
@@ -157,6 +165,7 @@ def train_with_moments(comm, compression: dict, stage: int, offload: str, steps:
         comm, compression, stage, precision="bf16", gradient_clipping=1.0, chunk={"size": 512},
         **extra,
     )  # fmt: skip
+    initial = parameters(engine)
     after, losses = [], []
     for step in range(steps):
         loss = engine(*_batch(step, comm.rank))
@@ -164,7 +173,7 @@ def train_with_moments(comm, compression: dict, stage: int, offload: str, steps:
         engine.step()
         losses.append(float(loss.detach()))
         after.append(moments(engine))
-    return {"moments": after, "losses": losses}
+    return {"moments": after, "losses": losses, "moved": moved_since(engine, initial)}
 
 
 def _kind(state: dict, kind: ChunkKind) -> list[torch.Tensor]:
@@ -177,7 +186,8 @@ def _kind(state: dict, kind: ChunkKind) -> list[torch.Tensor]:
 )
 def test_the_variance_freezes_after_the_warmup(stage: int, offload: str) -> None:
     """Steps 1-2 exact (the variance moves), steps 3-5 compressed with the variance of step 2
-    to the bit while the first moment moves; losses within 10% of exact training."""
+    to the bit while the first moment moves; losses within 10% of exact training, and the
+    parameters moved as exact training moved them."""
     ours = run_threads(train_with_moments, WORLD, FROZEN, stage, offload, 5, timeout_s=60)
     exact = run_threads(train_recorded, WORLD, {"type": "none"}, stage, "bf16", 5, timeout_s=60)
     for rank in range(WORLD):
@@ -192,6 +202,7 @@ def test_the_variance_freezes_after_the_warmup(stage: int, offload: str) -> None
             assert any(not torch.equal(a, b) for a, b in zip(before, now, strict=True))
         for a, b in zip(ours[rank]["losses"], exact[rank]["losses"], strict=True):
             assert math.isfinite(a) and abs(a - b) <= 0.1 * b, (stage, offload, rank)
+        assert_trains_like(ours[rank]["moved"], exact[rank]["moved"], (stage, offload, rank))
 
 
 def test_the_engine_freezes_at_the_last_warmup_step(monkeypatch) -> None:

@@ -666,9 +666,11 @@ def test_one_dtype_per_list_and_sgd_arguments():
 
 
 def test_empty_lists_and_empty_tensors_are_no_ops():
-    host_optim.fused_adamw_([], [], [], [], [], [], weight_decay=0.0, **ADAM)
+    assert host_optim.fused_adamw_([], [], [], [], [], [], weight_decay=0.0, **ADAM) is None
     args = _adam_args(0)
-    host_optim.fused_adamw_(**args)
+    assert host_optim.fused_adamw_(**args) is None
+    assert [t.numel() for t in args["params"] + args["exp_avgs"] + args["exp_avg_sqs"]] == [0] * 3
+    assert float(args["state_steps"][0]) == 1.0, "the caller advances step counts, not the kernel"
 
 
 @requires_torch_avx2

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from chunkmem.engine import EnginePhase
-from chunkmem.errors import TierDataError, TierFullError, TierSetupError
+from chunkmem.errors import EngineUsageError, TierDataError, TierFullError, TierSetupError
 from kernels import checksum
 from kernels._build import BuildError
 from offload import nvme
@@ -325,7 +325,7 @@ def test_a_corrupted_chunk_file_stops_the_engine_naming_the_file(tmp_path) -> No
     with pytest.raises(TierDataError, match=rf"checksum mismatch reading {victim}"):
         engine.step()
     assert engine.phase is EnginePhase.STOPPED
-    with pytest.raises(Exception, match="the engine stopped and cannot train on"):
+    with pytest.raises(EngineUsageError, match="the engine stopped and cannot train on: "):
         engine(*data[0])
     assert victim.exists(), "the files stay until close (or exit)"
     engine.close()

@@ -159,6 +159,40 @@ def test_zero_stages_train_sgd_as_one_process_with_their_bytes(precision, moment
             assert result["state_bytes"] == formula.get(stage, (p + g + s) * n // 2)
 
 
+def accumulating_rank(comm, stage: int) -> dict[str, torch.Tensor]:
+    """fp32 momentum SGD, two micro-batches of two rows a step on each rank."""
+    with one_rank_at_a_time(comm):
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+    zero = {"stage": stage, "timeout_s": 20}
+    config = sgd_config("fp32", "auto", 0.9, False, zero=zero, gradient_accumulation_steps=2)
+    engine = chunkmem.initialize(model, comm=comm, config=config)
+    for step_rows in global_rows(2 * comm.size):
+        for micro in range(2):
+            first = micro * 2 * comm.size + comm.rank * 2
+            row = step_rows[first : first + 2]
+            engine.backward(engine(row[:, :-1], row[:, 1:]))
+            engine.step()
+    return engine.state_dict()
+
+
+@pytest.mark.timeout(300)
+def test_zero_with_accumulation_trains_sgd_as_one_process() -> None:
+    """SGD moves each parameter by the gradient itself (Adam by about its sign), so a wrong
+    divisor of the summed micro-batches and ranks shows here: each step's 8 rows in one
+    process against 2 ranks x 2 micro-batches x 2 rows, at stages 1-3."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    rows = global_rows(4)  # 8 rows a step
+    batches = [(row[:, :-1].contiguous(), row[:, 1:].contiguous()) for row in rows]
+    expected = train_reference(model, batches, optimizer_for=torch_sgd(0.9, False)).masters
+    for stage in (1, 2, 3):
+        for rank, state in enumerate(run_threads(accumulating_rank, 2, stage, timeout_s=30)):
+            ours = {k: v for k, v in state.items() if k in expected}
+            assert ours.keys() == expected.keys()
+            assert max_relative_diff(ours, expected) <= 1e-5, (stage, rank)
+
+
 # ------------------------------------------------------------------ checkpoints
 
 
