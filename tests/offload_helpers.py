@@ -151,6 +151,13 @@ def train_engine(engine, data: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> N
         engine.step()
 
 
+def assert_same_state(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
+    """The same tensors under the same names, bit for bit."""
+    assert ours.keys() == theirs.keys()
+    differ = [name for name in ours if not torch.equal(ours[name], theirs[name])]
+    assert differ == [], f"{len(differ)} of {len(ours)} tensors differ: {differ}"
+
+
 def max_rel_diff(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     worst = 0.0
     for name, ref in reference.items():

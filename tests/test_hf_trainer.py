@@ -30,6 +30,7 @@ peft = pytest.importorskip("peft")
 from chunkmem.integrations.hf import ENGINE_CHECKPOINT, ChunkmemTrainer  # noqa: E402
 from chunkmem.integrations.hf_config import fill_auto  # noqa: E402
 from tests.hf_helpers import VOCAB, batches, llama  # noqa: E402
+from tests.offload_helpers import assert_same_state  # noqa: E402
 from tests.test_lora import lora_llama  # noqa: E402
 
 CONFIG = {"device": {"type": "simulated", "capacity": "64MiB"}}
@@ -106,12 +107,6 @@ def by_hand(
         losses.append(total.item())
         norms.append(engine.last_grad_norm)
     return engine.state_dict(), losses, norms
-
-
-def assert_same_state(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> None:
-    assert ours.keys() == theirs.keys()
-    differ = [name for name in ours if not torch.equal(ours[name], theirs[name])]
-    assert differ == [], f"{len(differ)} of {len(ours)} tensors differ: {differ}"
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ import json
 import logging
 import threading
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from chunkmem.errors import ConfigError, EngineUsageError
 from chunkmem.update_builder import UpdateBuilder
 from tests.distributed_helpers import one_rank_at_a_time, run_ranks, run_threads
 from tests.offload_helpers import (
+    assert_same_state,
     batches,
     initialize,
     make_model,
@@ -168,22 +170,29 @@ def test_the_overlapped_step_equals_the_serial_step_bit_for_bit(
 ) -> None:
     data = batches(8, rows=8)
     offload = {"optimizer": where, "nvme": {"path": str(tmp_path), "block_size": 4096}}
+    runs = serial_and_overlapped(
+        lambda engine: train_engine(engine, data), len(data) - 2, offload, precision=precision
+    )
+    assert_same_state(runs[True], runs[False])
+
+
+def serial_and_overlapped(
+    train: Callable[[object], None], min_started: int, offload: dict, **config
+) -> dict[bool, dict[str, torch.Tensor]]:
+    """The state after ``train`` of a serial and an overlapped engine (keyed by overlap); the
+    overlapped one started at least ``min_started`` updates in backward (every cycle after
+    the first does)."""
     runs = {}
     for overlap in (False, True):
         engine = initialize(
-            make_model(),
-            precision=precision,
-            device=DEVICE,
-            offload={**offload, "overlap": overlap},
+            make_model(), device=DEVICE, offload={**offload, "overlap": overlap}, **config
         )
-        train_engine(engine, data)
+        train(engine)
         runs[overlap] = engine.state_dict()
         if overlap:
-            # Every cycle after the first starts updates in backward.
-            assert engine.reducer.listener.started >= len(data) - 2
+            assert engine.reducer.listener.started >= min_started
         engine.close()
-    for name, value in runs[False].items():
-        assert torch.equal(runs[True][name], value), name
+    return runs
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -195,25 +204,21 @@ def test_the_overlapped_step_with_accumulation_equals_the_serial_step_bit_for_bi
     window's first micro-batch with that micro-batch's gradients alone: that crashed (the
     chunk in use) or dropped the later micro-batches' gradients."""
     data = batches(6, rows=8)
-    runs = {}
-    for overlap in (False, True):
-        engine = initialize(
-            make_model(),
-            precision=precision,
-            device=DEVICE,
-            gradient_accumulation_steps=2,
-            offload={"optimizer": "host", "overlap": overlap},
-        )
+
+    def two_micro_batches_a_step(engine) -> None:
         for x, y in data:
             for micro in range(2):
                 engine.backward(engine(x[micro::2], y[micro::2]))
                 engine.step()
-        runs[overlap] = engine.state_dict()
-        if overlap:
-            assert engine.reducer.listener.started >= len(data) - 2
-        engine.close()
-    for name, value in runs[False].items():
-        assert torch.equal(runs[True][name], value), name
+
+    runs = serial_and_overlapped(
+        two_micro_batches_a_step,
+        len(data) - 2,
+        {"optimizer": "host"},
+        precision=precision,
+        gradient_accumulation_steps=2,
+    )
+    assert_same_state(runs[True], runs[False])
 
 
 def test_fp32_early_updates_copy_their_chunks_off_the_device_on_the_host_thread(
@@ -484,8 +489,7 @@ def test_zero_with_accumulation_and_overlap_equals_the_serial_step(stage: int) -
     serial = run_threads(accumulating_zero_rank, 2, stage, False, timeout_s=30)
     overlapped = run_threads(accumulating_zero_rank, 2, stage, True, timeout_s=30)
     for rank in range(2):
-        for name, value in serial[rank].items():
-            assert torch.equal(overlapped[rank][name], value), (rank, name)
+        assert_same_state(overlapped[rank], serial[rank])
 
 
 class SharedInCheckpoint(torch.nn.Module):
@@ -539,8 +543,7 @@ def test_a_gradient_in_two_parts_is_waited_for_before_its_update_starts(precisio
         if overlap:
             assert engine.reducer.listener.started >= 3
         engine.close()
-    for name, value in runs[False].items():
-        assert torch.equal(runs[True][name], value), name
+    assert_same_state(runs[True], runs[False])
 
 
 def test_a_part_arriving_after_its_update_began_stops_the_engine_and_says_why() -> None:
@@ -580,5 +583,4 @@ def test_a_part_arriving_after_a_speculative_update_began_drops_only_that_batch(
         train_engine(engine, data[3:])
         states[overlap] = engine.state_dict()
         engine.close()
-    for name, value in states[False].items():
-        assert torch.equal(states[True][name], value), name
+    assert_same_state(states[True], states[False])
