@@ -10,6 +10,7 @@ one rank fails, the others get a CollectiveError within the timeout instead of a
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 import pytest
@@ -172,31 +173,45 @@ def test_a_step_that_fails_half_way_stops_the_engine_and_says_why(monkeypatch) -
         engine(*data[2])
 
 
-def test_an_early_update_failing_on_the_host_thread_stops_the_engine(monkeypatch) -> None:
+@pytest.mark.parametrize("host_thread_lags", [False, True])
+def test_an_early_update_failing_on_the_host_thread_stops_the_engine(
+    monkeypatch, host_thread_lags: bool
+) -> None:
     """With ``offload.overlap`` (no clipping: the early updates are final) a run that raises on
-    the host thread surfaces in backward after other groups were updated. Cancelling raised
-    the run's error again, and the stop was skipped: the engine trained on, half updated."""
+    the host thread surfaces in backward, or in the step where the host thread lags behind
+    backward, after other groups were updated. Cancelling raised the run's error again, and
+    the stop was skipped: the engine trained on, half updated.
+
+    Where it surfaces is timing: ``host_thread_lags`` holds the failing run until backward has
+    returned, so that the step surfaces it; without it, either call may."""
     engine = make_engine(precision="bf16", offload={"optimizer": "host", "overlap": True})
     data = batches()
     for x, y in data[:2]:
         engine.backward(engine(x, y))
         engine.step()
     runs = []
+    backward_returned = threading.Event()
     real_run = LayoutUpdate.run
 
     def third_run_fails(update: LayoutUpdate) -> None:
         runs.append(1)
         if len(runs) == 3:
+            if host_thread_lags:
+                backward_returned.wait(timeout=60)
             raise RuntimeError("injected host-thread failure")
         real_run(update)
 
     monkeypatch.setattr(LayoutUpdate, "run", third_run_fails)
     with pytest.raises(RuntimeError, match="injected host-thread failure"):
-        engine.backward(engine(*data[2]))
+        try:
+            engine.backward(engine(*data[2]))
+        finally:
+            backward_returned.set()
+        assert not engine.stopped_because  # backward returned: the step surfaces the run's error
+        engine.step()
     assert nothing_held(engine)
-    with pytest.raises(
-        EngineUsageError, match=r"engine.backward\(\) failed after it began updating"
-    ):
+    call = r"engine\.step\(\)" if host_thread_lags else r"engine\.(backward|step)\(\)"
+    with pytest.raises(EngineUsageError, match=rf"{call} failed after it began updating"):
         engine(*data[3])
 
 
