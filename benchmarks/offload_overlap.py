@@ -106,6 +106,14 @@ is slower than the serial one here. The NVMe runs use the tier's default block
 blocks, about 11,600 jobs a step and steps about four times as long (2.4 s against 0.64 s);
 the full run keeps that setting as the ablation (``details.nvme_clipped_small_blocks``,
 NVME_SMALL_BLOCK_STEPS steps).
+
+[Note: row stores] A speculative update writes its new states elsewhere (and saves the
+gradients it overwrites), and the native kernel stores those rows streamed (non-temporal) or
+through the cache, whichever its first large calls measured faster on this machine
+(``kernels/row_stores.py``): on an AMD EPYC VM streaming was faster, on an Ice Lake VM it
+made the speculative update 2.4 times as long and the clipped overlap hid nothing. The
+choice is in ``details.row_stores``, and the full run pairs the clipped engines once more with
+the other kind forced (``details.row_stores.clipped_with_the_other_kind``, the ablation).
 """
 
 from __future__ import annotations
@@ -132,6 +140,7 @@ from benchmarks._timing import median_seconds
 from chunkmem.cli.data import stdlib_text
 from chunkmem.config import NvmeConfig
 from chunkmem.models.gpt import GPT, GPTConfig
+from kernels.row_stores import row_stores, set_row_stores
 
 COMPUTE_CORE, HOST_CORE = 0, 1
 BLOCK = 8  # step pairs per ratio
@@ -492,6 +501,20 @@ def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, cli
     return result
 
 
+OTHER_ROW_STORES = {"streamed": "cached", "cached": "streamed"}
+
+
+def clipped_with_row_stores(kind: str, chosen: str, model: GPT, tokens: int, steps: int,
+                            warmup: int, pinned: bool, nvme: str, precision: str) -> dict:  # fmt: skip
+    """The clipped pair with the speculative updates' rows stored ``kind``, the other way than
+    this machine chose (see the note on row stores): what the choice is worth here."""
+    set_row_stores(kind)
+    try:
+        return run_pair(model, tokens, steps, warmup, pinned, CLIP, "host", nvme, True, precision)
+    finally:
+        set_row_stores(chosen)
+
+
 def last_final_share(engine) -> float:
     """The share of the update that waits for backward's last operation: the chunk group
     holding the token embedding, whose gradient (tied to the head's) completes in the
@@ -657,7 +680,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if probing
             else None
         )
-        if not args.quick:  # the ablations (see the notes on chunks, depth and NVMe)
+        row_store_choice = row_stores()  # made by the first runs' speculative updates
+        if not args.quick:  # the ablations (see the notes on chunks, depth, NVMe, row stores)
+            if row_store_choice.chosen is not None:
+                runs["clipped_other_row_stores"] = clipped_with_row_stores(
+                    OTHER_ROW_STORES[row_store_choice.chosen], row_store_choice.chosen,
+                    model, tokens, steps, warmup, pinned, nvme, precision,
+                )  # fmt: skip
             runs["nvme_small_blocks"] = run_pair(
                 model, tokens, NVME_SMALL_BLOCK_STEPS, nvme_warmup, pinned, CLIP, "nvme", nvme,
                 False, precision, nvme_block=NVME_SMALL_BLOCK,
@@ -678,6 +707,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     on_nvme = analyse(runs["nvme"], CLIP)
     small_blocks = analyse(runs["nvme_small_blocks"], CLIP) if "nvme_small_blocks" in runs else None
     auto_chunks = analyse(runs["plain_auto_chunks"], 0.0) if "plain_auto_chunks" in runs else None
+    other_rows = (
+        analyse(runs["clipped_other_row_stores"], CLIP)
+        if "clipped_other_row_stores" in runs
+        else None
+    )
     deeper_runs = {
         name: analyse(runs[f"{name}_deeper"], clip)
         for name, clip in (("plain", 0.0), ("clipped", CLIP))
@@ -745,6 +779,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else ()
                 ),
                 *((("plain, auto chunks", auto_chunks),) if auto_chunks else ()),
+                *(
+                    ((f"clip 1.0, rows {OTHER_ROW_STORES[row_store_choice.chosen]}", other_rows),)
+                    if other_rows and row_store_choice.chosen
+                    else ()
+                ),
                 *((f"{name}, {DEEPER_N_LAYER} layers", r) for name, r in deeper_runs.items()),
             )
         ],  # fmt: skip
@@ -783,6 +822,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "chunk_size_elements": block_elements(model),
         "plain_auto_chunks": auto_chunks,
+        "row_stores": {
+            **row_store_choice.as_json(),
+            "clipped_with_the_other_kind": other_rows,
+        },
         "deeper_model": {"n_layer": DEEPER_N_LAYER, **deeper_runs} if deeper_runs else None,
         "speculation": {
             k: clipped_run[k]

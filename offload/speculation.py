@@ -31,7 +31,8 @@ the group's state chunks (8 with bf16 moments), whole chunks, padding included, 
 per group from the first step that speculates to the engine's end (a standing reservation,
 which the ledger and ``chunkmem estimate`` count as held throughout), plus 2 bytes per
 element whose gradient sits in its parameter slot. Bandwidth: the update reads one buffer and
-writes another (with non-temporal stores: about the bytes it moves in place), copies into the
+writes another (streamed: about the bytes it moves in place; through the cache on machines
+where that measures faster, ``kernels/row_stores.py``), copies into the
 shadow only what it does not update (parameters without a gradient; padding once per shadow),
 and stores the 16-bit gradients it overwrites from the lanes that load them (2 bytes written);
 a rollback writes back those gradients and rounds the masters again. The states of a group homed on

@@ -14,6 +14,7 @@ import torch
 
 from kernels import host_optim
 from kernels._build import BuildError
+from kernels.row_stores import set_row_stores
 from tests.kernels_helpers import assert_same_bits
 
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -473,13 +474,24 @@ def host_adam_step_out_of_place(
     state.params, state.states = list(new.params), [list(new.exp_avgs), list(new.exp_avg_sqs)]
 
 
+@pytest.fixture(params=["streamed", "cached"])
+def row_stores(request):
+    """Rows written elsewhere streamed or through the cache (kernels/row_stores.py), then
+    measured again as every process starts."""
+    set_row_stores(request.param)
+    try:
+        yield request.param
+    finally:
+        set_row_stores("measure")
+
+
 @pytest.mark.parametrize("params_in_place", [False, True], ids=["all", "moments"])
 @pytest.mark.parametrize("offset", [0, 5], ids=["aligned", "unaligned"])
 def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(
-    offset, params_in_place
+    offset, params_in_place, row_stores
 ):
     """Every kind of Adam step, fp32, mixed and bf16 states, with and without grad scale;
-    every row written elsewhere, or the moments only."""
+    every row written elsewhere, or the moments only; the rows streamed or cached."""
     in_place = _every_path(host_adam_step, host_sgd_step)
     out_of_place = _every_path(
         functools.partial(
@@ -505,8 +517,9 @@ def host_adam_step_saving_grads(state: State, grads, offset: int = 0, **kwargs) 
 
 
 @pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "unaligned"])
-def test_an_update_saves_the_gradients_it_reads_and_gives_the_same_bits(offset):
-    """Every kind of Adam step, fp32 gradients divided where they lie included."""
+def test_an_update_saves_the_gradients_it_reads_and_gives_the_same_bits(offset, row_stores):
+    """Every kind of Adam step, fp32 gradients divided where they lie included; the saved
+    rows streamed or cached."""
     plain = _every_path(host_adam_step, host_sgd_step)
     saving = _every_path(
         functools.partial(host_adam_step_saving_grads, offset=offset), host_sgd_step

@@ -145,6 +145,8 @@ inline void save8(typename G::Raw* dst, const typename G::Raw* src, bool stream)
 // it goes to memory without its line being read first. The kernel never reads what it writes
 // there, and the next reader is the next step's update, so caching it gains nothing, while
 // writing it through the cache reads every line first: 1.6x the bytes of the update in place.
+// Some machines stream far slower than that costs: the library measures which kind to use
+// (row_stores.h, [Note: streamed or cached row stores]).
 template <bool STREAM_NEW>
 inline void store_new8(float* p, __m256 x) {
   if constexpr (STREAM_NEW)

@@ -19,6 +19,7 @@
 
 #include "host_optim_avx2.h"
 #include "host_optim_math.h"
+#include "row_stores.h"
 
 namespace {
 
@@ -48,24 +49,27 @@ bool may_stream(bool large_call, const typename O::Raw* out) {
 inline bool aligned32(const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; }
 
 // Whether the lanes may stream the new parameters (host_optim_avx2.h, store_new8): written
-// elsewhere than they are read, 32-byte aligned.
+// elsewhere than they are read, 32-byte aligned, and rows are streamed on this machine
+// ([Note: streamed or cached row stores]).
 template <class S, class G>
-bool may_stream_params(const cmo::avx2::AdamRows<G, S>& rows) {
-  return rows.p_new != rows.p && aligned32(rows.p_new);
+bool may_stream_params(const cmo::avx2::AdamRows<G, S>& rows, bool stream_rows) {
+  return stream_rows && rows.p_new != rows.p && aligned32(rows.p_new);
 }
 
-// Whether the lanes may stream the new moments: fp32, both written elsewhere, aligned.
+// Whether the lanes may stream the new moments: fp32, both written elsewhere, aligned, and
+// rows are streamed on this machine.
 template <class S, class G>
-bool may_stream_moments(const cmo::avx2::AdamRows<G, S>& rows) {
-  return std::is_same_v<S, F32> && rows.m_new != rows.m && rows.v_new != rows.v &&
+bool may_stream_moments(const cmo::avx2::AdamRows<G, S>& rows, bool stream_rows) {
+  return stream_rows && std::is_same_v<S, F32> && rows.m_new != rows.m && rows.v_new != rows.v &&
          aligned32(rows.m_new) && aligned32(rows.v_new);
 }
 
 // adam_lanes with its stream flags chosen at run time.
 template <class G, class S, class O, bool STREAM>
 void adam_lanes_streaming(const AdamScalars& s, int64_t n, const cmo::avx2::AdamRows<G, S>& rows,
-                          typename O::Raw* out, const float* grad_scale) {
-  const bool params = may_stream_params<S>(rows), moments = may_stream_moments<S>(rows);
+                          typename O::Raw* out, const float* grad_scale, bool stream_rows) {
+  const bool params = may_stream_params<S>(rows, stream_rows);
+  const bool moments = may_stream_moments<S>(rows, stream_rows);
   if (params && moments)
     cmo::avx2::adam_lanes<G, S, O, STREAM, true, true>(s, n, rows, out, grad_scale);
   else if (params)
@@ -138,12 +142,14 @@ inline float scaled_grad(typename G::Raw* g, int64_t i, const float* grad_scale)
 // Elements [begin, end) of one tensor of `numel` elements: reads p, m, v and writes the new
 // values to p_new, m_new, v_new (the same pointers for an update in place; see
 // [Note: updates out of place]); g_saved, when not null, receives the gradients as read.
+// stream_rows: the rows written elsewhere (new values, saved gradients) may be streamed
+// ([Note: streamed or cached row stores]).
 template <class G, class S, class O>
 void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end, const float* p,
                 typename G::Raw* g, const typename S::Raw* m, const typename S::Raw* v,
                 float* p_new, typename S::Raw* m_new, typename S::Raw* v_new,
                 typename G::Raw* g_saved, typename O::Raw* out, const float* grad_scale,
-                bool large_call) {
+                bool large_call, bool stream_rows) {
   const auto element = [&](auto tail, int64_t i) {
     if (g_saved) g_saved[i] = g[i];
     const float grad = scaled_grad<G>(g, i, grad_scale);
@@ -170,14 +176,14 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
     const int64_t n = (body - i) / cmo::kLanes * cmo::kLanes;  // the rest: one at a time, below
     typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
     typename G::Raw* const saved = g_saved ? g_saved + i : nullptr;
-    const bool stream_saved =
-        saved && reinterpret_cast<uintptr_t>(saved) % (cmo::kLanes * sizeof(*saved)) == 0;
+    const bool stream_saved = stream_rows && saved &&
+        reinterpret_cast<uintptr_t>(saved) % (cmo::kLanes * sizeof(*saved)) == 0;
     const cmo::avx2::AdamRows<G, S> rows{p + i,     g + i,     m + i, v + i, p_new + i,
                                          m_new + i, v_new + i, saved, stream_saved};
     if (may_stream<O>(large_call, o))
-      adam_lanes_streaming<G, S, O, true>(s, n, rows, o, grad_scale);
+      adam_lanes_streaming<G, S, O, true>(s, n, rows, o, grad_scale, stream_rows);
     else
-      adam_lanes_streaming<G, S, O, false>(s, n, rows, o, grad_scale);
+      adam_lanes_streaming<G, S, O, false>(s, n, rows, o, grad_scale, stream_rows);
     i += n;
   }
 #endif
@@ -241,10 +247,32 @@ int with_types(int grad_dtype, int state_dtype, int out_dtype, F&& f) {
   }
 }
 
-bool large_call(const int64_t* numels, int count) {
+int64_t total_numel(const int64_t* numels, int count) {
   int64_t total = 0;
   for (int i = 0; i < count; ++i) total += numels[i];
-  return total >= kStreamMinNumel;
+  return total;
+}
+
+bool large_call(const int64_t* numels, int count) {
+  return total_numel(numels, count) >= kStreamMinNumel;
+}
+
+// Where the first row an update writes elsewhere starts (null: in place).
+const void* first_row_elsewhere(int count, void* const* new_params, void* const* new_exp_avgs,
+                                void* const* grads_saved) {
+  if (count == 0) return nullptr;
+  if (new_params) return new_params[0];
+  if (new_exp_avgs) return new_exp_avgs[0];
+  for (int i = 0; grads_saved && i < count; ++i)
+    if (grads_saved[i]) return grads_saved[i];
+  return nullptr;
+}
+
+// The process's choice of row stores for updates out of place ([Note: streamed or cached row
+// stores]): measured once, on the first large calls.
+cmo::RowStoreChooser& row_store_chooser() {
+  static cmo::RowStoreChooser chooser;
+  return chooser;
 }
 
 template <class T>
@@ -356,9 +384,10 @@ int cmo_cpu_has_avx2() {
 //
 // [Note: updates out of place] A speculative update (offload/speculation.py) must leave its
 // inputs as they were until the step knows it stands, so it writes the new fp32 values and
-// moments elsewhere, and committing it is swapping buffers. Reading one buffer and writing
-// another moves the same bytes as updating in place, and the arithmetic is the same: the
-// results are bit for bit those of the update in place.
+// moments elsewhere, and committing it is swapping buffers. With streamed stores, reading one
+// buffer and writing another moves the same bytes as updating in place; whether those stores
+// beat the cache's is the machine's, measured ([Note: streamed or cached row stores]). The
+// arithmetic is the same: the results are bit for bit those of the update in place.
 int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
                  void* const* exp_avg_sqs, void* const* params_out, void* const* new_params,
                  void* const* new_exp_avgs, void* const* new_exp_avg_sqs,
@@ -379,6 +408,12 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
     scalars.push_back(
         cmo::adam_scalars(lr, beta1, beta2, weight_decay, eps, decoupled != 0, *steps[i]));
   const bool large = large_call(numels, count);
+  const bool out_of_place = new_params != nullptr || new_exp_avgs != nullptr ||
+                            new_exp_avg_sqs != nullptr || grads_saved != nullptr;
+  // An update in place writes no row elsewhere: nothing to choose, nothing timed.
+  cmo::TimedCall timed(row_store_chooser(), out_of_place ? total_numel(numels, count) : 0,
+                       first_row_elsewhere(count, new_params, new_exp_avgs, grads_saved));
+  const bool stream_rows = timed.kind() == cmo::kStreamed;
   const int status =
       with_types(grad_dtype, state_dtype, out_dtype, [&](auto grad, auto state, auto out) {
     using G = decltype(grad);
@@ -397,11 +432,27 @@ int cmo_cpu_adam(void* const* params, void* const* grads, void* const* exp_avgs,
                           new_exp_avg_sqs ? as<S>(new_exp_avg_sqs[i]) : v,
                           grads_saved ? as<G>(grads_saved[i]) : nullptr,
                           std::is_same_v<O, NoOut> ? nullptr : as<O>(params_out[i]), grad_scale,
-                          large);
+                          large, stream_rows);
     });
   });
+  if (status == kOk && out_of_place) timed.completed();
   if (status == kOk && grad_norms != nullptr) sums.finish(count, grad_norms);
   return status;
+}
+
+// How updates out of place store their rows from now on ([Note: streamed or cached row
+// stores]): -1 measures anew, 0 streams, 1 goes through the cache.
+int cmo_cpu_set_row_stores(int kind) {
+  if (kind < cmo::kMeasure || kind > cmo::kCached) return kBadArgument;
+  row_store_chooser().set(static_cast<cmo::RowStores>(kind));
+  return kOk;
+}
+
+// The kind updates out of place use (-1 while still measuring), with the median ns per element
+// of the timed calls of each kind and their counts.
+int cmo_cpu_row_stores(double* streamed_ns, double* cached_ns, int* streamed_calls,
+                       int* cached_calls) {
+  return row_store_chooser().report(streamed_ns, cached_ns, streamed_calls, cached_calls);
 }
 
 // One SGD step over `count` tensors; momentum_buffers is only read when momentum != 0, and
