@@ -4,13 +4,12 @@ ledger against torch's own allocator, and training unchanged by the count."""
 from __future__ import annotations
 
 import gc
-from collections import defaultdict
 
 import pytest
 import torch
 
 import chunkmem
-from benchmarks.estimate import allocator_peak, allocator_profiler
+from benchmarks.estimate import allocator_peak, allocator_profiler, tensor_peak
 from chunkmem.cli.models import build_model
 from chunkmem.cli.settings import ModelSettings
 from chunkmem.temporaries import LiveStorages, OutputCounting, uncounted
@@ -87,52 +86,6 @@ def test_counting_temporaries_changes_the_peak_not_the_training() -> None:
     assert with_temporaries.ledger.device.peak > hooks_only.ledger.device.peak * 1.05
     hooks_only.close()
     with_temporaries.close()
-
-
-def tensor_peak(profiler: torch.profiler.profile) -> int:
-    """The allocator's peak over what outlives the operator that allocated it: an allocation
-    freed before its innermost ``aten::`` operator returns is that operator's scratch, which no
-    count of operators' outputs can see. Where the CPU has no native bf16 (no AVX-512 BF16 or
-    AMX), a bf16 matrix product accumulates into an fp32 buffer it frees on return: 1 MiB for
-    a 512x512 output, 6% of this run's peak. The ledger is judged against the rest."""
-    events = profiler.profiler.kineto_results.events()
-    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    operators: dict[int, list] = defaultdict(list)  # by thread, by start (outer ones first)
-    for event in events:
-        if event.name().startswith("aten::"):
-            operators[event.start_thread_id()].append(event)
-    for started in operators.values():
-        started.sort(key=lambda e: (e.start_ns(), -e.duration_ns()))
-    open_operators: dict[int, list] = defaultdict(list)
-    next_operator: dict[int, int] = defaultdict(int)
-    allocated_in: dict[tuple[int, int], list[int]] = defaultdict(list)
-    scratch: set[int] = set()
-    for index, event in enumerate(memory):
-        thread, now = event.start_thread_id(), event.start_ns()
-        stack, started = open_operators[thread], operators[thread]
-        while (
-            next_operator[thread] < len(started)
-            and started[next_operator[thread]].start_ns() <= now
-        ):
-            while stack and stack[-1].end_ns() < started[next_operator[thread]].start_ns():
-                stack.pop()
-            stack.append(started[next_operator[thread]])
-            next_operator[thread] += 1
-        while stack and stack[-1].end_ns() < now:
-            stack.pop()
-        if not stack:
-            continue
-        key = (id(stack[-1]), abs(event.nbytes()))
-        if event.nbytes() > 0:
-            allocated_in[key].append(index)
-        elif allocated_in[key]:
-            scratch.update((allocated_in[key].pop(), index))
-    live = peak = 0
-    for index, event in enumerate(memory):
-        if index not in scratch:
-            live += event.nbytes()
-            peak = max(peak, live)
-    return peak
 
 
 @pytest.mark.parametrize("count_temporaries", [False, True])
