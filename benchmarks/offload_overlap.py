@@ -29,10 +29,15 @@ so that a reader can tell the overlap's cost from the machine's.
 
 [Note: the regime is measured] How much an overlap can hide depends on the host update's share
 of the serial step, which depends on the CPU (bf16 compute is emulated without AVX-512 BF16)
-and on the tokens per step. The benchmark measures that share for micro-batches of 16 to 256
-tokens and takes the most tokens at which the host update is still at least 30% of the serial
-step (as when a GPU computes and the host updates: DeepSpeed issue 6834, 0.2 s -> ~10 s with
-offload). The keys are then about the overlap, not the CPU.
+and on the tokens per step. The benchmark measures that share for micro-batches of 2 to 256
+tokens, fewest first, and takes the most tokens at which the host update is still at least 30%
+of the serial step (as when a GPU computes and the host updates: DeepSpeed issue 6834, 0.2 s ->
+~10 s with offload). The keys are then about the overlap, not the CPU. Sizes under 16 are for
+CPUs whose bf16 forward and backward are slow but within the precision rule below: on an Ice
+Lake Xeon without AVX-512 BF16 (1.16-1.28x fp32) the update was 0.21 of the serial step at 16
+tokens, 0.29 at 8, 0.31 at 4 and 0.39 at 2, so the runs until this note measured below the
+regime there. At a few tokens forward and backward mostly read weights, as a GPU's do at a
+small micro-batch.
 
 [Note: a chunk is a block] An update is prepared on the engine's thread (chunks pinned, step
 counts advanced, the kernel's arguments built: about 1 ms of Python per group here) and its
@@ -47,7 +52,7 @@ shape and not of the overlap. The engines here use one block's parameters per ch
 [Note: precision by measurement] A CPU without AVX-512 BF16 or AMX emulates bf16 arithmetic
 through fp32: forward and backward then take several times an fp32 one, and on an AVX2-only
 EPYC the host update was 5% of the serial step even at 16 tokens, nowhere near the regime. So
-a calibration (the serial engine at the fewest tokens, bf16 and fp32 steps alternating)
+a calibration (the serial engine at CALIBRATION_TOKENS, bf16 and fp32 steps alternating)
 decides: bf16, the recipe, where a bf16 forward and backward take at most
 BF16_AT_SPEED_MAX_RATIO times an fp32 one; fp32 otherwise, with the measured ratio and the
 reason in ``details.precision``. A GPU computes bf16 at speed, so fp32 on such a CPU is the
@@ -157,7 +162,9 @@ DEEPER_N_LAYER = 16
 # uses the tier's default.
 NVME_SMALL_BLOCK = 64 << 10
 NVME_SMALL_BLOCK_STEPS = 12
-TOKENS = (16, 32, 64, 128, 256)
+TOKENS = (2, 4, 8, 16, 32, 64, 128, 256)
+QUICK_TOKENS = (4, 8)  # two sizes, short steps: a quick run's regime is only indicative
+CALIBRATION_TOKENS = 16  # the precision calibration's micro-batch (see its note)
 MIN_HOST_SHARE = 0.3
 CLIP = 1.0
 PRECISIONS = ("fp32", "bf16")
@@ -410,10 +417,10 @@ def model_for(tokens: int, pretrain_steps: int = 0, n_layer: int = N_LAYER) -> G
 
 def choose_precision(pinned: bool, path: str, steps: int) -> dict[str, Any]:
     """bf16 where this CPU computes it at speed, else fp32 (the module's note on precision):
-    forward and backward of the serial engine at the fewest tokens (the host update is the
+    forward and backward of the serial engine at CALIBRATION_TOKENS (the host update is the
     same work in both), ``steps`` steps after two, the precisions alternating so that a
     change in load hits both; the median of the paired ratios."""
-    tokens, model = TOKENS[0], model_for(TOKENS[0])
+    tokens, model = CALIBRATION_TOKENS, model_for(CALIBRATION_TOKENS)
     seconds: dict[str, list[float]] = {precision: [] for precision in PRECISIONS}
     engines = {}
     try:
@@ -652,7 +659,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         calibration = choose_precision(pinned, nvme, share_steps)
         precision = calibration["precision"]
         tokens, shares = choose_tokens(
-            pinned, nvme, share_steps, precision, TOKENS[2:4] if args.quick else TOKENS
+            pinned, nvme, share_steps, precision, QUICK_TOKENS if args.quick else TOKENS
         )
         model = model_for(tokens, pretrain_steps)
         # Plain and clipped pairs alternate, each repeat on fresh engines: the keys are the
