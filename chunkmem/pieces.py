@@ -36,6 +36,36 @@ def spans(
     return [chunk.span(slot, lo, hi, within) for slot, lo, hi in pieces]
 
 
+def addresses(
+    chunk: Chunk, pieces: Sequence[Piece], within: torch.Tensor | None = None
+) -> list[int]:
+    """Where the pieces of ``chunk`` begin in memory: the data pointers of :func:`spans`'
+    views, for a native call that takes rows by address (no view is made). ``within``, laid
+    out like the payload, must have its dtype; every piece must lie inside the buffer."""
+    payload = chunk.payload if within is None else within
+    if payload is None:
+        raise RuntimeError(f"{chunk!r} has no payload; it must be fetched before use")
+    if within is not None and within.dtype != chunk.dtype:
+        raise TypeError(f"a buffer laid out like {chunk!r} is {within.dtype}, not {chunk.dtype}")
+    if payload.dim() != 1 or payload.stride(0) != 1:
+        raise ValueError(f"{chunk!r}: rows by address need a flat contiguous buffer")
+    base, itemsize, start, end = (
+        payload.data_ptr(),
+        payload.element_size(),
+        chunk.start,
+        payload.numel(),
+    )
+    rows = []
+    for slot, lo, hi in pieces:
+        begin = slot.offset + lo - start
+        if begin < 0 or begin + hi - lo > end:
+            raise IndexError(
+                f"{slot.name}[{lo}:{hi}] lies outside {chunk!r}'s buffer of {end} elements"
+            )
+        rows.append(base + begin * itemsize)
+    return rows
+
+
 def cut(pieces: Sequence[Piece], limit: int) -> list[list[Piece]]:
     """``pieces`` in batches of at most ``limit`` elements; a longer piece is cut (Adam is
     elementwise, so any cut is exact)."""

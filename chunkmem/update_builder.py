@@ -20,7 +20,7 @@ from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
 from chunkmem.layout_update import LayoutUpdate
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer_states import OptimizerStates
-from chunkmem.pieces import Piece, spans
+from chunkmem.pieces import Piece, addresses, spans
 from chunkmem.sharding import Waitable
 from chunkmem.tiers import StorageTier
 from chunkmem.torch_update import TorchUpdate, account_stream
@@ -41,6 +41,8 @@ class KernelCalls:
         """After the calls ran: each gradient's norm, in the gradients' order (what
         ``fp32_norms`` gives them, bit for bit)."""
         assert self.norms is not None
+        if len(self.norms) == 1:  # one parameter group: its positions are all, in order
+            return list(self.norms[0][1].unbind())
         ordered = torch.empty(len(self.grads), dtype=torch.float32)
         for positions, norms in self.norms:
             ordered[positions] = norms
@@ -176,8 +178,8 @@ class UpdateBuilder:
                 )
                 build = functools.partial(
                     self._host_calls,
-                    self._host_kernel(kernels),
-                    kernels.NewStates,
+                    *self._host_kernel(kernels),
+                    kernels,
                     chunks,
                     pieces,
                     step_of,
@@ -261,22 +263,25 @@ class UpdateBuilder:
             )
         return staged, after
 
-    def _host_kernel(self, kernels: ModuleType) -> Callable[..., None]:
+    def _host_kernel(self, kernels: ModuleType) -> tuple[Callable[..., None], bool]:
         """The kernel of this step's host updates, with each group's hyper-parameters read
-        now (on the engine's thread: a scheduler may change them between steps)."""
+        now (on the engine's thread: a scheduler may change them between steps), and whether
+        it takes rows by address (else tensors)."""
         groups = self.groups
-        kernel = groups.host_kernel(kernels)
+        rows_kernel = groups.host_rows_kernel(kernels)
+        kernel = groups.host_kernel(kernels) if rows_kernel is None else rows_kernel
         hyper = [groups.hyper_parameters(g) for g in range(len(groups.param_groups))]
 
         def call(group_index: int, *args: Any, **kwargs: Any) -> None:
             kernel(*args, **hyper[group_index], **kwargs)
 
-        return call
+        return call, rows_kernel is not None
 
     def _host_calls(
         self,
         kernel: Callable[..., None],
-        new_states: type,
+        by_address: bool,
+        kernels: ModuleType,
         chunks: dict[ChunkKind, Chunk],
         pieces: list[Piece],
         step_of: dict[int, torch.Tensor],
@@ -287,14 +292,20 @@ class UpdateBuilder:
         measure: bool,
     ) -> KernelCalls:
         """The native kernel calls of a layout updated in host memory, one per parameter
-        group, and the gradients they read; built on the thread that runs them (slicing a
-        few hundred views a step is the engine thread's largest cost of an early update).
-        With fp32 masters it is one pass from the 16-bit gradients to the 16-bit parameters,
-        through host buffers where those live on a GPU (``staged``); pieces are passed whole,
-        so the bits are torch's fused kernel's on them. The kinds of ``into`` are written
-        there, and the gradients saved to ``grads_saved`` (see :meth:`prepare`). ``measure``:
-        the calls measure the gradients' norms as they read them, where ``fp32_norms`` would
-        measure them with the native kernel (the same bits, one pass fewer)."""
+        group, and the gradients they read; built on the thread that runs them. With fp32
+        masters it is one pass from the 16-bit gradients to the 16-bit parameters, through
+        host buffers where those live on a GPU (``staged``); pieces are passed whole, so the
+        bits are torch's fused kernel's on them. The kinds of ``into`` are written there, and
+        the gradients saved to ``grads_saved`` (see :meth:`prepare`). ``measure``: the calls
+        measure the gradients' norms as they read them, where ``fp32_norms`` would measure
+        them with the native kernel (the same bits, one pass fewer).
+
+        [Note: rows by address] Where the kernel takes them (``by_address``: Adam), the
+        pieces go to it as addresses in their chunks (``pieces.addresses``), checked once a
+        chunk, not as a view a piece checked one by one: the Python that builds the calls
+        runs on the host thread beside backward, and every millisecond of it there cost the
+        engine's thread about as much or more (the GIL; docs/offload.md, "The regime reached
+        at 4 tokens")."""
         grads = staged.grads
         rule = self.groups.rule
         fused_norms: list[tuple[list[int], torch.Tensor]] | None = (
@@ -303,41 +314,54 @@ class UpdateBuilder:
             else None
         )
         mixed = ChunkKind.MASTER in chunks
-        params = spans(chunks[ChunkKind.MASTER if mixed else ChunkKind.PARAM], pieces)
-        outs = (staged.outs or spans(chunks[ChunkKind.PARAM], pieces)) if mixed else None
-        moments = [spans(chunks[kind], pieces) for kind in rule.moments]
+        value = ChunkKind.MASTER if mixed else ChunkKind.PARAM
+        place = addresses if by_address else spans
+        params = place(chunks[value], pieces)
+        outs = None  # the 16-bit values' views (rows by address: ``_Rows`` has them)
+        if mixed and not by_address:
+            outs = staged.outs or spans(chunks[ChunkKind.PARAM], pieces)
+        moments = [place(chunks[kind], pieces) for kind in rule.moments]
         saves = None if grads_saved is None else grads_saved()
         new = None
         if into:
-            value = ChunkKind.MASTER if mixed else ChunkKind.PARAM
             new = [
-                spans(chunks[kind], pieces, into[kind]) if kind in into else read
+                place(chunks[kind], pieces, into[kind]) if kind in into else read
                 for kind, read in ((value, params), *zip(rule.moments, moments, strict=True))
             ]
+        if by_address:
+            rows = _Rows(kernels, chunks, value, rule.moments, pieces, params, moments, new,
+                         staged, saves, into, divides=grad_scale is not None)  # fmt: skip
         calls: list[Callable[[], None]] = []
         for group_index, positions in self.groups.by_group([s for s, _lo, _hi in pieces]).items():
             norms = None
             if fused_norms is not None:
                 norms = torch.empty(len(positions), dtype=torch.float32)
                 fused_norms.append((positions, norms))
-            calls.append(
-                functools.partial(
+            steps = [step_of[id(pieces[i][0])] for i in positions]
+            if by_address:
+                call = functools.partial(
+                    kernel, group_index, rows.select(positions, steps), rows.types,
+                    written=rows.written, grad_scale=grad_scale, grad_norms=norms,
+                    num_threads=self.host_threads,
+                )  # fmt: skip
+            else:
+                call = functools.partial(
                     kernel,
                     group_index,
                     [params[i] for i in positions],
                     [grads[i] for i in positions],
                     [[moment[i] for i in positions] for moment in moments],
-                    [step_of[id(pieces[i][0])] for i in positions],
+                    steps,
                     grad_scale=grad_scale,
                     params_out=None if outs is None else [outs[i] for i in positions],
                     new_states=None
                     if new is None
-                    else new_states(*([t[i] for i in positions] for t in new)),
+                    else kernels.NewStates(*([t[i] for i in positions] for t in new)),
                     grads_saved=None if saves is None else [saves[i] for i in positions],
                     grad_norms=norms,
                     num_threads=self.host_threads,
                 )
-            )
+            calls.append(call)
         return KernelCalls(calls, grads, fused_norms)
 
     def _host_buffers(
@@ -352,3 +376,87 @@ class UpdateBuilder:
             self.residency.workspaces.scoped(sum(sizes), dtype, work, protect, within="capacity")
         )
         return list(torch.split(buffer, sizes))
+
+
+class _Rows:
+    """A layout's rows by address for Adam calls over them (:meth:`select` one group's):
+    the chunks' rows, and the rows of what comes as tensors (the gradients, a GPU's 16-bit
+    values' host buffers, the saved gradients' buffers), each gradient's dtype checked here
+    (they come from different chunks); the dtypes; and the tensors the calls write, whose
+    version counters are bumped as the tensor kernels bump their views'. ``divides``: the
+    gradients are left divided (fp32 ones read in place)."""
+
+    def __init__(
+        self,
+        kernels: ModuleType,
+        chunks: dict[ChunkKind, Chunk],
+        value: ChunkKind,
+        moments: tuple[ChunkKind, ...],
+        pieces: list[Piece],
+        params: list[int],
+        moment_rows: list[list[int]],
+        new: list[list[int]] | None,
+        staged: Staged,
+        saves: list[torch.Tensor | None] | None,
+        into: dict[ChunkKind, torch.Tensor],
+        divides: bool,
+    ) -> None:
+        grads = staged.grads
+        grad_dtype = grads[0].dtype if grads else torch.float32
+        for grad in grads:
+            if grad.dtype != grad_dtype or not grad.is_cpu or not grad.is_contiguous():
+                raise TypeError(
+                    f"a host update's gradients must be contiguous CPU tensors of one dtype, "
+                    f"got {grad.dtype} on {grad.device} beside {grad_dtype}"
+                )
+        self._kernels = kernels
+        self._pieces = pieces
+        self._params = params
+        self._moments = moment_rows
+        self._new = new
+        self._grads = [grad.data_ptr() for grad in grads]
+        self._saved = (
+            None if saves is None else [None if t is None else t.data_ptr() for t in saves]
+        )
+        # The kinds written elsewhere (an update out of place) write their buffers instead.
+        written = [into[k] if k in into else chunks[k].payload for k in (value, *moments)]
+        self._outs: list[int] | None = None
+        out_dtype = None
+        if value == ChunkKind.MASTER:  # 16-bit values written in the same pass
+            param = chunks[ChunkKind.PARAM]
+            out_dtype = param.dtype
+            if staged.outs is not None:
+                self._outs = [t.data_ptr() for t in staged.outs]
+                written.extend(staged.outs)
+            else:
+                self._outs = addresses(param, pieces)
+                written.append(param.payload)
+        written.extend(t for t in saves or () if t is not None)
+        if divides:
+            written.extend(grads)
+        self.written: list[torch.Tensor] = [t for t in written if t is not None]
+        if not all(t.is_cpu for t in self.written):
+            raise ValueError("a host update's rows by address must all lie in host memory")
+        self.types = kernels.RowTypes(
+            params=chunks[value].dtype, grads=grad_dtype, states=chunks[moments[0]].dtype,
+            out=out_dtype,
+        )  # fmt: skip
+
+    def select(self, positions: list[int], steps: list[torch.Tensor]):
+        """One call's rows: the pieces at ``positions``, with their step counts."""
+
+        def pick(rows):
+            return None if rows is None else [rows[i] for i in positions]
+
+        pieces = self._pieces
+        return self._kernels.AdamRows(
+            params=pick(self._params),
+            grads=pick(self._grads),
+            exp_avgs=pick(self._moments[0]),
+            exp_avg_sqs=pick(self._moments[1]),
+            steps=[step.data_ptr() for step in steps],
+            numels=[pieces[i][2] - pieces[i][1] for i in positions],
+            params_out=pick(self._outs),
+            new_states=None if self._new is None else tuple(pick(rows) for rows in self._new),
+            grads_saved=pick(self._saved),
+        )

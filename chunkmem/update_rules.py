@@ -53,6 +53,11 @@ class UpdateRule(ABC):
     def host_kernel(self, kernels: ModuleType, grads: GradStore) -> Kernel:
         """The native host kernel of this step (``kernels.host_optim``)."""
 
+    def host_rows_kernel(self, kernels: ModuleType, grads: GradStore) -> Kernel | None:
+        """The native host kernel of this step over rows by address (``AdamRows``, no tensor
+        view a row), or None where this step's kernel takes tensors (:meth:`host_kernel`)."""
+        return None
+
 
 class AdamRule(UpdateRule):
     """Adam, or AdamW (``decoupled``), and 1-bit Adam's frozen-variance step once the
@@ -106,6 +111,16 @@ class AdamRule(UpdateRule):
             kernel(params, grad_list, exp_avgs, exp_avg_sqs, [], steps, **options)
 
         return call
+
+    def host_rows_kernel(self, kernels: ModuleType, grads: GradStore) -> Kernel | None:
+        """Adam or AdamW over rows by address; None while 1-bit Adam's variance is frozen
+        (its step, ``chunkmem.frozen_adam``, composes tensor kernels)."""
+        if self._kernel(grads, kernels.fused_adam_, kernels.fused_adamw_) not in (
+            kernels.fused_adam_,
+            kernels.fused_adamw_,
+        ):
+            return None
+        return functools.partial(kernels.adam_rows_, decoupled=self.decoupled)
 
 
 class SgdRule(UpdateRule):
@@ -210,6 +225,9 @@ class ParamGroups:
 
     def host_kernel(self, kernels: ModuleType) -> Kernel:
         return self.rule.host_kernel(kernels, self.grads)
+
+    def host_rows_kernel(self, kernels: ModuleType) -> Kernel | None:
+        return self.rule.host_rows_kernel(kernels, self.grads)
 
 
 def config_param_group(config: OptimizerConfig) -> tuple[dict[str, Any], UpdateRule]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -38,12 +39,23 @@ from kernels.host_optim_checks import (
     check_adam,
     check_norms_in,
     check_norms_out,
+    check_rows,
     check_sgd,
     skipped,
     thread_count,
 )
 
-__all__ = ["NewStates", "fused_adam_", "fused_adamw_", "fused_sgd_", "load_library", "norms"]
+__all__ = [
+    "AdamRows",
+    "NewStates",
+    "RowTypes",
+    "adam_rows_",
+    "fused_adam_",
+    "fused_adamw_",
+    "fused_sgd_",
+    "load_library",
+    "norms",
+]
 
 
 # -fno-math-errno lets sqrtf be one instruction (no errno branch); it changes no result.
@@ -297,31 +309,25 @@ def _adam(
         return
     outputs = (params, exp_avgs, exp_avg_sqs) if new_states is None else new_states
     saved = [t for t in grads_saved or () if t is not None]
-    _library().call(
-        "adam",
-        _addresses(params),
-        _addresses(grads),
-        _addresses(exp_avgs),
-        _addresses(exp_avg_sqs),
-        _addresses(params_out) if params_out else None,
-        *([None] * 3 if new_states is None else [_addresses(t) for t in new_states]),
-        _addresses(grads_saved) if saved else None,
-        _addresses(state_steps),
-        _numels(params),
-        count,
-        DTYPE_CODES[grads[0].dtype],
-        DTYPE_CODES[exp_avgs[0].dtype],
-        DTYPE_CODES[params_out[0].dtype] if params_out else _NO_OUT,
-        float(lr),
-        float(beta1),
-        float(beta2),
-        float(weight_decay),
-        float(eps),
-        int(decoupled),
-        _scale_address(grad_scale),
-        None if grad_norms is None else grad_norms.data_ptr(),
-        threads,
+    rows = AdamRows(
+        params=_pointers(params),
+        grads=_pointers(grads),
+        exp_avgs=_pointers(exp_avgs),
+        exp_avg_sqs=_pointers(exp_avg_sqs),
+        steps=_pointers(state_steps),
+        numels=[t.numel() for t in params],
+        params_out=_pointers(params_out) if params_out else None,
+        new_states=None if new_states is None else tuple(_pointers(t) for t in new_states),
+        grads_saved=_pointers(grads_saved) if saved else None,
     )
+    types = RowTypes(
+        params=params[0].dtype,
+        grads=grads[0].dtype,
+        states=exp_avgs[0].dtype,
+        out=params_out[0].dtype if params_out else None,
+    )
+    scalars = (lr, beta1, beta2, weight_decay, eps)
+    _native_adam(rows, types, scalars, decoupled, grad_scale, grad_norms, threads)
     _mark_modified(
         outputs[0],
         [*outputs[1], *outputs[2]],
@@ -329,6 +335,101 @@ def _adam(
         grads if grad_scale is not None else None,
         saved,
         None if grad_norms is None else [grad_norms],
+    )
+
+
+class AdamRows(NamedTuple):
+    """One native Adam call's rows by address, one entry per row in each list: for a caller
+    that lays out the buffers itself and vouches for each row (the engine's chunks, whose
+    pieces are rows: ``chunkmem.update_builder``), so that no tensor view is made or checked
+    per row. ``new_states``: the new parameters' and moments' rows (an update out of place);
+    ``grads_saved``: where each row's gradient is saved as it is read (None: not saved)."""
+
+    params: list[int]
+    grads: list[int]
+    exp_avgs: list[int]
+    exp_avg_sqs: list[int]
+    steps: list[int]  # each row's fp32 step count, already incremented
+    numels: list[int]
+    params_out: list[int] | None = None
+    new_states: tuple[list[int], list[int], list[int]] | None = None
+    grads_saved: list[int | None] | None = None
+
+
+class RowTypes(NamedTuple):
+    """The dtypes of an :class:`AdamRows` call's rows (one per list, as the native call takes
+    them); ``out``: the 16-bit parameters' (None: no ``params_out``)."""
+
+    params: torch.dtype
+    grads: torch.dtype
+    states: torch.dtype
+    out: torch.dtype | None = None
+
+
+def adam_rows_(
+    rows: AdamRows,
+    types: RowTypes,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    eps: float,
+    decoupled: bool,
+    written: Sequence[torch.Tensor],
+    grad_scale: torch.Tensor | None = None,
+    grad_norms: torch.Tensor | None = None,
+    num_threads: int | None = None,
+) -> None:
+    """:func:`fused_adamw_` (``decoupled``) or :func:`fused_adam_` over rows by address: the
+    same kernel and bits. The caller guarantees what the tensor functions check per tensor
+    (each row inside a live CPU buffer of its list's dtype, contiguous, rows of one index the
+    same size); this checks the dtypes, the lists' lengths and the scalars. ``written``: the
+    tensors the rows lie in that the call writes, whose autograd version counters are bumped
+    (as the tensor functions bump their views')."""
+    count = len(rows.numels)
+    check_rows(rows, types, count)
+    if grad_norms is not None:
+        check_norms_out(grad_norms, count)
+    threads = thread_count(num_threads)
+    if skipped(grad_scale, None) or count == 0:
+        return
+    scalars = (lr, beta1, beta2, weight_decay, eps)
+    _native_adam(rows, types, scalars, decoupled, grad_scale, grad_norms, threads)
+    _mark_modified(written, None if grad_norms is None else [grad_norms])
+
+
+def _native_adam(
+    rows: AdamRows,
+    types: RowTypes,
+    scalars: tuple[float, float, float, float, float],
+    decoupled: bool,
+    grad_scale: torch.Tensor | None,
+    grad_norms: torch.Tensor | None,
+    threads: int,
+) -> None:
+    """The one native Adam call, its arguments checked; ``scalars``: lr, beta1, beta2,
+    weight_decay, eps."""
+    _library().call(
+        "adam",
+        _address_array(rows.params),
+        _address_array(rows.grads),
+        _address_array(rows.exp_avgs),
+        _address_array(rows.exp_avg_sqs),
+        None if rows.params_out is None else _address_array(rows.params_out),
+        *([None] * 3 if rows.new_states is None else map(_address_array, rows.new_states)),
+        None if rows.grads_saved is None else _address_array(rows.grads_saved),
+        _address_array(rows.steps),
+        (ctypes.c_int64 * len(rows.numels))(*rows.numels),
+        len(rows.numels),
+        DTYPE_CODES[types.grads],
+        DTYPE_CODES[types.states],
+        _NO_OUT if types.out is None else DTYPE_CODES[types.out],
+        *map(float, scalars),
+        int(decoupled),
+        _scale_address(grad_scale),
+        None if grad_norms is None else grad_norms.data_ptr(),
+        threads,
     )
 
 
@@ -368,9 +469,19 @@ def norms(
 # ---- ctypes ----
 
 
+def _pointers(tensors: Sequence[torch.Tensor | None]) -> list[int | None]:
+    """The tensors' data pointers (None for None)."""
+    return [None if t is None else t.data_ptr() for t in tensors]
+
+
+def _address_array(addresses: Sequence[int | None]) -> ctypes.Array:
+    """Addresses as the native calls take them (null for None)."""
+    return (ctypes.c_void_p * len(addresses))(*addresses)
+
+
 def _addresses(tensors: Sequence[torch.Tensor | None]) -> ctypes.Array:
     """The tensors' data pointers (null for None)."""
-    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
+    return _address_array(_pointers(tensors))
 
 
 def _numels(tensors: Sequence[torch.Tensor]) -> ctypes.Array:

@@ -72,6 +72,33 @@ def check_adam(
     return count
 
 
+def check_rows(rows, types, count: int) -> None:
+    """An Adam call over rows by address (``kernels.host_optim.AdamRows``): its dtypes, and
+    one entry per row in every list. The rows themselves are the caller's to vouch for."""
+    if types.params != torch.float32:
+        raise TypeError(f"params must be float32 (fp32 masters or values), got {types.params}")
+    if types.grads not in GRAD_DTYPES:
+        raise TypeError(f"grads must be one of {GRAD_DTYPES}, got {types.grads}")
+    if types.states not in STATE_DTYPES:
+        raise TypeError(
+            f"exp_avgs and exp_avg_sqs must be one of {STATE_DTYPES}, got {types.states}"
+        )
+    if (types.out is None) != (rows.params_out is None):
+        raise ValueError("params_out rows and their dtype come together, or neither")
+    if types.out is not None and types.out not in OUT_DTYPES:
+        raise TypeError(f"params_out must be one of {OUT_DTYPES}, got {types.out}")
+    lists = {"params": rows.params, "grads": rows.grads, "exp_avgs": rows.exp_avgs,
+             "exp_avg_sqs": rows.exp_avg_sqs, "steps": rows.steps,
+             "params_out": rows.params_out, "grads_saved": rows.grads_saved}  # fmt: skip
+    for position, name in enumerate(("new params", "new exp_avgs", "new exp_avg_sqs")):
+        lists[name] = None if rows.new_states is None else rows.new_states[position]
+    for name, addresses in lists.items():
+        if addresses is not None and len(addresses) != count:
+            raise ValueError(f"{name} has {len(addresses)} rows but numels has {count}")
+        if addresses is not None and name != "grads_saved" and None in addresses:
+            raise ValueError(f"{name} has a null row; only grads_saved may leave a row out")
+
+
 def check_sgd(
     params, grads, buffers, params_out, *, momentum, dampening, nesterov, maximize
 ) -> int:
