@@ -21,6 +21,13 @@ and ``not_measured`` giving the reason, and exits 0.
 - Step: a GPT (fp32) whose chunks all fit, chunkmem on the CUDA device against plain PyTorch
   with ``AdamW(fused=True)`` on the same GPU, one step of each in turn, median seconds (each
   step ends reading its loss). ``gpu_step_time_ratio_vs_torch`` = chunkmem / torch.
+- Overlap (``benchmarks/_gpu_overlap.py``): the offloaded host step overlapped with backward
+  against the serial one, on the split it is built for (the GPU computes, the host updates),
+  GPT-2 small's shape in bf16 with activation checkpointing, at the most micro-batch rows at
+  which the host update is still 30% of the serial step. ``gpu_update_hidden_fraction`` and
+  ``gpu_update_hidden_fraction_clipped`` (clip 1.0, the steps where it did not fire) are the
+  shares of the serial update hidden, ``gpu_step_time_ratio_overlapped_vs_serial_clipped`` the
+  clipped step-time ratio; every step bit-identical to the serial engine's.
 """
 
 from __future__ import annotations
@@ -41,10 +48,18 @@ KEYS = (
     "h2d_move_ratio_vs_pinned_copy",
     "gpu_step_time_ratio_vs_torch",
 )
+OVERLAP_KEYS = (  # benchmarks/_gpu_overlap.py's keys, prefixed
+    "gpu_update_hidden_fraction",
+    "gpu_update_hidden_fraction_clipped",
+    "gpu_step_time_ratio_overlapped_vs_serial_clipped",
+)
 GOALS = {
     "gpu_quant_ratio_vs_conversion": ">= 0.8",
     "h2d_move_ratio_vs_pinned_copy": ">= 0.8",
     "gpu_step_time_ratio_vs_torch": "<= 1.10",
+    "gpu_update_hidden_fraction": ">= 0.80",
+    "gpu_update_hidden_fraction_clipped": ">= 0.80",
+    "gpu_step_time_ratio_overlapped_vs_serial_clipped": "<= 0.80",
 }
 GROUP_SIZE = 2048
 REDUCE_INPUTS = 4
@@ -232,12 +247,51 @@ def measure_step(quick: bool) -> dict[str, Any]:
     }
 
 
+def measure_gpu_overlap(quick: bool) -> dict[str, Any]:
+    """The overlap keys on this GPU (``benchmarks/_gpu_overlap.py``): GPT-2 small's shape with
+    activation checkpointing, micro-batches of 4 rows and up."""
+    from benchmarks._gpu_overlap import measure_overlap
+    from chunkmem.models.gpt import GPTConfig
+
+    config = GPTConfig(vocab_size=8192, block_size=256 if quick else 512, n_layer=12,
+                       n_head=12, n_embd=768, checkpoint=True)  # fmt: skip
+    device = {"type": "cuda", "capacity": 64 * config.num_parameters() + 2**35}  # activations
+    candidates = (4, 8, 16, 32, 64) if quick else (4, 8, 16, 32, 64, 128, 256)
+    steps, warmup, share_steps = (12, 3, 2) if quick else (48, 6, 4)
+    return measure_overlap(config, device, candidates, steps, warmup, share_steps,
+                           torch.cuda.synchronize)  # fmt: skip
+
+
+def print_overlap(overlap: dict[str, Any], card: str) -> None:
+    """The overlap's table (``measure_gpu_overlap``'s result)."""
+    print_table(
+        f"offloaded step overlapped vs serial, GPT {overlap['model']['n_layer']}x"
+        f"{overlap['model']['n_embd']} bf16, {overlap['rows']}x{overlap['model']['block_size']} "
+        f"tokens (host update {overlap['host_update_share_by_rows'][overlap['rows']]:.0%} of the "
+        f"serial step), {overlap['host_threads']} host threads ({card})",
+        ["run", "serial ms", "overlapped ms", "hidden", "of at most", "ratio"],
+        [
+            [
+                name,
+                1e3 * r["median_step_s"]["serial"],
+                1e3 * r["median_step_s"]["overlapped"],
+                r["update_hidden_fraction"],
+                r["update_hidden_fraction_dependency_bound"],
+                r["step_time_ratio"]["median"],
+            ]
+            for name, r in (("plain", overlap["plain"]), ("clip 1.0", overlap["clipped"]))
+            if r["median_step_s"]
+        ],  # fmt: skip
+    )
+    print(f"bit-identical to the serial engine: {overlap['identical']}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args("gpu", __doc__.splitlines()[0], argv)
     if not torch.cuda.is_available():
         reason = f"no CUDA device: torch {torch.__version__} sees none on this machine"
         print(f"benchmarks.gpu: {reason}; writing null results")
-        metrics: dict[str, Any] = {key: None for key in KEYS}
+        metrics: dict[str, Any] = {key: None for key in (*KEYS, *OVERLAP_KEYS)}
         metrics["not_measured"] = reason
         path = write_results(args.json, metrics, {"goals": GOALS}, args.quick)
         print(f"written to {path}")
@@ -293,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["ratio_vs_pinned_copy"] for r in move_rows if r["direction"] == "h2d"
         ),
         "gpu_step_time_ratio_vs_torch": step["ratio"],
+        **{key: None for key in OVERLAP_KEYS},
     }
     details = {
         "card": card,
@@ -306,10 +361,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             r["ratio_vs_pinned_copy"] for r in move_rows if r["direction"] == "d2h"
         ),
         "step": step,
+        "overlap": "not finished: the run stopped while the overlap was measured",
     }
+    # Written now and again after the overlap (the longest part), so that a run stopped by a
+    # time limit there keeps the other keys.
+    write_results(args.json, metrics, details, args.quick)
+    overlap = measure_gpu_overlap(args.quick)
+    print_overlap(overlap, card)
+    metrics.update({key: overlap[key.removeprefix("gpu_")] for key in OVERLAP_KEYS})
+    details["overlap"] = overlap
     path = write_results(args.json, metrics, details, args.quick)
     print(f"\n{metrics}\nwritten to {path}")
-    return 0
+    return 0 if overlap["identical"] else 1
 
 
 if __name__ == "__main__":

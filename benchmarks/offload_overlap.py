@@ -96,6 +96,14 @@ The keys:
   in the embedding's backward, backward's last operation, so that group's update starts only
   when backward ends, on any machine: the most an overlap at this chunk size can hide. The
   model's structure and the chunk size decide it; no timing does.
+- ``update_hidden_fraction_bound``: the three together, min(D M, H) for the dependency bound D,
+  the machine bound M = 1/s and the host bound H, the most any overlap can hide here. The share
+  1 - D of the update waits for backward's end whatever the machine; the rest, D U, runs beside
+  forward and backward at best, which beside it lose D U (1 - 1/s): the overlapped step is at
+  least T_fwd+bwd + (1 - D) U + D U (1 - 1/s), and the hidden share at most D / s (assuming the
+  embedding's group updates as fast an element as the others). Null where M is. Where it is under
+  a goal, no engine meets that goal on this machine at this regime; the step-time ratio it
+  allows is 1 - share * bound (``details.step_time_ratio_bound``, with the plain runs' share).
 
 [Note: depth] Each chunk group's update costs the engine's thread the same Python whatever
 its size, and the embedding's group is about 1/N_LAYER of the update, so a deeper model of the
@@ -614,6 +622,15 @@ def host_bound(analysis: dict, host_interference: dict | None) -> float | None:
     return min(1.0, steps["serial_backward"] / (host_interference["ratio"] * update))
 
 
+def combined_bound(dependency: float, machine: float | None, host: float | None) -> float | None:
+    """``update_hidden_fraction_bound``: min(D M, H) (the module's list of keys); None where
+    the machine bound was not measured (a quick run, or not pinned)."""
+    if machine is None:
+        return None
+    bound = dependency * machine
+    return bound if host is None else min(bound, host)
+
+
 def unhidden(kept: list[tuple[tuple, tuple]]) -> dict[str, float]:
     """Where the overlapped step's unhidden time goes (medians over step pairs, seconds):
     the engine thread's Python starting early updates in backward; the rest of its extra CPU
@@ -746,6 +763,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "update_hidden_fraction_host_bound": host_bound(plain, host_interference),
         "update_hidden_fraction_dependency_bound": plain["update_hidden_fraction_dependency_bound"],
     }
+    metrics["update_hidden_fraction_bound"] = combined_bound(
+        metrics["update_hidden_fraction_dependency_bound"],
+        metrics["update_hidden_fraction_machine_bound"],
+        metrics["update_hidden_fraction_host_bound"],
+    )
     print(
         f"GPT {N_LAYER}x512, {precision}, {block_elements(model):,} elements a chunk (a block), {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
         f"serial step; shares measured: {', '.join(f'{t}: {s:.2f}' for t, s in shares.items())})"
@@ -810,12 +832,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"alone (a GPU's host does not slow down so): no overlap can hide more than "
             f"{metrics['update_hidden_fraction_host_bound']:.2f} of the update here (plain)"
         )
+    bound = metrics["update_hidden_fraction_bound"]
+    share = plain.get("host_update_share_of_serial_step")
+    ratio_bound = None if bound is None or share is None else 1.0 - share * bound
+    if ratio_bound is not None:
+        print(
+            f"with the dependency bound {metrics['update_hidden_fraction_dependency_bound']:.3f}: "
+            f"no overlap can hide more than {bound:.2f} of the update here, nor bring the step "
+            f"under {ratio_bound:.3f} of the serial one (host update {share:.2f} of it, plain)"
+        )
     print(f"\n{json.dumps(metrics, indent=1)}\nbit-identical: {identical}")
     details = {
         "precision": calibration,
         "tokens_per_step": tokens,
         "host_update_share_by_tokens": shares,
         "min_host_share": MIN_HOST_SHARE,
+        "step_time_ratio_bound": ratio_bound,
         "plain": plain,
         "clipped": clipped,
         "repeats": {

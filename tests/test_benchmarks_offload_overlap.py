@@ -8,6 +8,7 @@ import pytest
 
 from benchmarks.offload_overlap import (
     build,
+    combined_bound,
     host_bound,
     last_final_share,
     median_repeat,
@@ -49,6 +50,13 @@ def test_the_host_bound_is_backward_over_the_slowed_update() -> None:
     assert host_bound(run, {"ratio": 1.2}) == 1.0  # backward outlasts the slowed update
     assert host_bound(run, None) is None  # not pinned: nothing measured
     assert host_bound({"median_step_s": None}, {"ratio": 1.0}) is None
+
+
+def test_the_combined_bound_is_dependency_times_machine_under_the_host_bound() -> None:
+    assert combined_bound(0.9, 0.8, None) == pytest.approx(0.72)
+    assert combined_bound(0.9, 0.8, 1.0) == pytest.approx(0.72)
+    assert combined_bound(0.9, 0.8, 0.6) == 0.6  # the host core is the tighter limit
+    assert combined_bound(0.9, None, 0.6) is None  # the machine bound was not measured
 
 
 def test_the_dependency_bound_leaves_out_the_group_final_last(tmp_path) -> None:

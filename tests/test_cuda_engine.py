@@ -299,3 +299,42 @@ def test_host_updates_overlapped_with_backward_equal_the_serial_ones_on_the_gpu(
     assert copied[False] > 0 and copied[True] > 0, "the gradients went through host buffers"
     for name, value in states[False].items():
         assert torch.equal(states[True][name], value), name
+
+
+@pytest.mark.timeout(600)
+def test_speculative_host_updates_under_clipping_equal_the_serial_ones_on_the_gpu() -> None:
+    """Clip 1.0, bf16, states on the host: the overlapped engine's host updates start in
+    backward speculatively (out of place, the gradients copied down from the GPU); the steps
+    whose loss is scaled up clip, and their early updates are undone before the step runs
+    serially. After every step the parameters and states equal the serial engine's."""
+    model = GPT(CONFIG)
+    data = token_batches(6, batch=2, seq=CONFIG.block_size, vocab=CONFIG.vocab_size)
+    engines = {}
+    try:
+        for overlap in (False, True):
+            engines[overlap] = chunkmem.initialize(
+                copy.deepcopy(model),
+                config={
+                    "precision": "bf16",
+                    "device": {"type": "cuda"},
+                    "optimizer": {"lr": LR},
+                    "gradient_clipping": 1.0,
+                    "offload": {"optimizer": "host", "overlap": overlap},
+                },
+            )
+        for index, (x, y) in enumerate(data):
+            scale = 1e3 if index in (2, 4) else 1e-3  # steps 2 and 4 clip
+            for engine in engines.values():
+                engine.backward(engine(x, y) * scale)
+                engine.step()
+            torch.cuda.synchronize()
+            assert engines[True].last_grad_norm == engines[False].last_grad_norm
+            serial, overlapped = (engines[o].state_dict() for o in (False, True))
+            for name, value in serial.items():
+                assert torch.equal(overlapped[name], value), (index, name)
+        summary = engines[True].run_summary()
+        assert summary.speculative_rollbacks == 2
+        assert summary.speculative_commits >= 2  # the first step may have nothing to speculate
+    finally:
+        for engine in engines.values():
+            engine.close()
