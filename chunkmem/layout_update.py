@@ -36,6 +36,7 @@ class LayoutUpdate:
         chunks: dict[ChunkKind, Chunk],
         pieces: list[Piece],
         steps: list[torch.Tensor],
+        measure_grad_norms: bool = False,
     ) -> None:
         self.layout = layout
         self.slot_ids = {id(slot) for slot in slots}
@@ -55,8 +56,9 @@ class LayoutUpdate:
         self.pending: Future | None = None  # the run, when another thread does it
         self.finished = False
         # An early update measures the gradients it is about to consume, for the step's
-        # global-norm check, on the thread that runs it rather than in backward.
-        self.measure_grad_norms = False
+        # global-norm check, on the thread that runs it rather than in backward (a GPU's on
+        # the GPU as it is prepared, as the step would: ``Staged.norms``).
+        self.measure_grad_norms = measure_grad_norms
         self.grad_norms: list[torch.Tensor] = []  # fp32 per piece, in the pieces' order
         self._builder = builder
         self._stack = stack
@@ -75,7 +77,10 @@ class LayoutUpdate:
             hook()
         built = self._build(self.measure_grad_norms)
         if self.measure_grad_norms and built.grads and built.norms is None:
-            self.grad_norms = fp32_norms(built.grads, self._builder.host_threads)
+            if built.staged_norms is not None:  # measured where they lay; the buffer is
+                self.grad_norms = list(built.staged_norms.clone().unbind())  # released later
+            else:
+                self.grad_norms = fp32_norms(built.grads, self._builder.host_threads)
         self._builder.run_calls(built.calls)
         if built.norms is not None:  # measured by the calls, as they read the gradients
             self.grad_norms = built.measured_norms()

@@ -227,12 +227,12 @@ class ChunkOptimizer:
             grads_saved=None
             if snapshot is None or not snapshot.saves_grads
             else snapshot.grad_saves,
+            # The step's norm check needs these gradients, which the run consumes: the run
+            # measures them as it reads them, on its own thread (``_grad_norms`` waits for it).
+            measure_grad_norms=True,
         )
         if snapshot is not None:
             snapshot.attach(update)
-        # The step's norm check needs these gradients, which the run consumes: the run
-        # measures them as it reads them, on its own thread (``_grad_norms`` waits for it).
-        update.measure_grad_norms = True
         self.layouts_updated += 1
         self.launched[layout.index] = update
         update.pending = submit(update.run)

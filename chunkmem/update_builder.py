@@ -36,6 +36,9 @@ class KernelCalls:
     calls: list[Callable[[], None]]
     grads: list[torch.Tensor]
     norms: list[tuple[list[int], torch.Tensor]] | None = None
+    # The gradients' norms measured where they lie before the calls (a GPU's, copied down
+    # with them: ``Staged.norms``), in the gradients' order; the calls then measure none.
+    staged_norms: torch.Tensor | None = None
 
     def measured_norms(self) -> list[torch.Tensor]:
         """After the calls ran: each gradient's norm, in the gradients' order (what
@@ -58,6 +61,10 @@ class Staged:
 
     grads: list[torch.Tensor]
     outs: list[torch.Tensor] | None = None
+    # fp32, one a gradient: the norms of a GPU's gradients measured on the GPU, as the step
+    # measures the gradients no early update saw (``fp32_norms`` on the device views: the
+    # host copies would give the native kernel's bits), copied down with them.
+    norms: torch.Tensor | None = None
 
 
 class CopiedDown:
@@ -134,6 +141,7 @@ class UpdateBuilder:
         defer_reads: bool = False,
         into: dict[ChunkKind, torch.Tensor] | None = None,
         grads_saved: Callable[[], list[torch.Tensor | None]] | None = None,
+        measure_grad_norms: bool = False,
     ) -> LayoutUpdate:
         """Chunks ready and pinned on the work tier, step counts found (``run`` advances them,
         on its thread), gradients staged;
@@ -142,7 +150,9 @@ class UpdateBuilder:
         of those chunk kinds, which receive their new values (the chunks are only read: an
         update out of place, which only the native host kernels take). ``grads_saved``: gives,
         for each piece, None or a host tensor that receives its gradient as the kernel reads
-        it (native host kernels only; called by ``run``, on its thread)."""
+        it (native host kernels only; called by ``run``, on its thread). ``measure_grad_norms``:
+        the run measures the gradients it consumes (``LayoutUpdate.grad_norms``) with the bits
+        the step would (an early update: the step's norm check needs them)."""
         stack = contextlib.ExitStack()
         reads: list[Waitable] = []
         try:
@@ -174,8 +184,9 @@ class UpdateBuilder:
                 after: list[Callable[[], None]] = []
             else:
                 staged, after = self._stage(
-                    chunks, pieces, work, stack, reads if defer_reads else None
-                )
+                    chunks, pieces, work, stack, reads if defer_reads else None,
+                    measure_grad_norms,
+                )  # fmt: skip
                 build = functools.partial(
                     self._host_calls,
                     *self._host_kernel(kernels),
@@ -191,7 +202,8 @@ class UpdateBuilder:
         except BaseException:
             stack.close()
             raise
-        return LayoutUpdate(self, layout, slots, stack, build, after, reads, chunks, pieces, steps)
+        return LayoutUpdate(self, layout, slots, stack, build, after, reads, chunks, pieces, steps,
+                            measure_grad_norms)  # fmt: skip
 
     @staticmethod
     def reads_grads_in_place(source: Chunk) -> bool:
@@ -224,12 +236,14 @@ class UpdateBuilder:
         work: StorageTier,
         stack: contextlib.ExitStack,
         reads: list[Waitable] | None,
+        measure_norms: bool,
     ) -> tuple[Staged, list[Callable[[], None]]]:
         """The part of a host update's preparation that needs the engine's thread: each
         piece's gradient, host buffers for a GPU's gradients and 16-bit values (copied up by
         ``finish``), and what ``finish`` does after the kernels. A GPU's gradients are copied
         down on its copy stream; the copies join ``reads`` (waited for by ``run``), or are
-        waited for now where it is None."""
+        waited for now where it is None. ``measure_norms``: a GPU's gradients are measured on
+        the GPU first (``Staged.norms``)."""
         grad_source = self.grads.reducer.grad_source
         sources = [grad_source(s) for s, _lo, _hi in pieces]
         sizes = [hi - lo for _s, lo, hi in pieces]
@@ -242,7 +256,14 @@ class UpdateBuilder:
             staged.grads = self._host_buffers(stack, sizes, grads[0].dtype, work, protect)
             device = self.residency.device
             events = [device.to_host(g, b) for g, b in zip(grads, staged.grads, strict=True)]
-            copies = CopiedDown(work, events, grads)
+            held = list(grads)
+            if measure_norms:  # on the compute stream, after backward wrote them
+                norms = update_kernels.stacked_fp32_norms(grads, self.host_threads)
+                staged.norms = self._host_buffers(stack, [len(grads)], torch.float32, work,
+                                                  protect)[0]  # fmt: skip
+                events.append(device.to_host(norms, staged.norms))
+                held.append(norms)
+            copies = CopiedDown(work, events, held)
             stack.callback(copies.wait)  # no exit frees the buffers under a copy
             if reads is None:
                 copies.wait()
@@ -310,7 +331,10 @@ class UpdateBuilder:
         rule = self.groups.rule
         fused_norms: list[tuple[list[int], torch.Tensor]] | None = (
             []
-            if measure and rule.out_of_place and update_kernels.measured_natively(grads)
+            if measure
+            and staged.norms is None
+            and rule.out_of_place
+            and update_kernels.measured_natively(grads)
             else None
         )
         mixed = ChunkKind.MASTER in chunks
@@ -362,7 +386,7 @@ class UpdateBuilder:
                     num_threads=self.host_threads,
                 )
             calls.append(call)
-        return KernelCalls(calls, grads, fused_norms)
+        return KernelCalls(calls, grads, fused_norms, staged.norms)
 
     def _host_buffers(
         self,

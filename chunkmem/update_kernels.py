@@ -38,13 +38,21 @@ def fp32_norms(tensors: list[torch.Tensor], host_threads: int | None) -> list[to
     host tensors of one dtype (torch's bf16 norm runs at a third of memory speed), torch's
     otherwise (fp32 keeps ``clip_grad_norm_``'s bits; a device; no library). Both the step and
     an early update measure with this, so they get the same bits."""
+    if not tensors:
+        return []
+    # One copy (and wait) for a device's, not one a tensor.
+    return list(stacked_fp32_norms(tensors, host_threads).cpu().unbind())
+
+
+def stacked_fp32_norms(tensors: list[torch.Tensor], host_threads: int | None) -> torch.Tensor:
+    """:func:`fp32_norms`' values, the same bits, in one fp32 tensor where ``tensors`` lie: a
+    device's are not waited for (an early update copies them down with its gradients)."""
     kernels = native_host_optimizer()
     if kernels is not None and measured_natively(tensors):
-        return kernels.norms(tensors, host_threads)
-    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
-    if norms and norms[0].device.type != "cpu":
-        return list(torch.stack(norms).cpu().unbind())  # one copy (and wait), not one a tensor
-    return list(norms)
+        out = torch.empty(len(tensors), dtype=torch.float32)
+        kernels.norms(tensors, host_threads, out=out)
+        return out
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
 
 
 def measured_natively(tensors: list[torch.Tensor]) -> bool:

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import chunkmem
+import chunkmem.update_kernels as update_kernels
+from chunkmem.chunk import ChunkKind
 from chunkmem.devices import DeferredCopy, SimulatedDevice
 from chunkmem.errors import ConfigError, EngineUsageError
 from chunkmem.update_builder import UpdateBuilder
@@ -584,3 +586,53 @@ def test_a_part_arriving_after_a_speculative_update_began_drops_only_that_batch(
         states[overlap] = engine.state_dict()
         engine.close()
     assert_same_state(states[True], states[False])
+
+
+def test_an_early_update_measures_a_gpus_gradients_where_the_serial_step_does(monkeypatch) -> None:
+    """Under clipping, the step measures on the GPU the gradients no early update saw (torch's
+    norm there), and the native kernel would measure their host copies with other bits: so an
+    early update measures a GPU's gradients on the GPU too, copied down with them, and every
+    clipped overlapped step, rollbacks included, is the serial one's bit for bit. Emulated:
+    the gradients are taken as not readable in place, and tensors inside a parameter or
+    gradient chunk stand for a GPU's, which torch measures (the host copies go to the native
+    norm); on one thread, as torch's CPU norm sums in an order that depends on its thread
+    count (a GPU's does not)."""
+    engines: dict[bool, object] = {}
+
+    def on_the_device(tensor: torch.Tensor) -> bool:
+        address = tensor.data_ptr()
+        for engine in engines.values():
+            for layout in engine.manager.params.trainable_layouts():
+                for kind in (ChunkKind.PARAM, ChunkKind.GRAD):
+                    payload = layout.chunks[kind].payload if kind in layout.chunks else None
+                    if payload is not None and payload.data_ptr() <= address < (
+                        payload.data_ptr() + payload.numel() * payload.element_size()
+                    ):
+                        return True
+        return False
+
+    natively = update_kernels.measured_natively
+    monkeypatch.setattr(UpdateBuilder, "reads_grads_in_place", staticmethod(lambda _source: False))
+    monkeypatch.setattr(update_kernels, "measured_natively", lambda tensors: natively(tensors)
+                        and not any(map(on_the_device, tensors)))  # fmt: skip
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    data = batches(8, rows=8)
+    try:
+        for overlap in (False, True):
+            engines[overlap] = initialize(make_model(), precision="bf16", device=DEVICE,
+                                          gradient_clipping=1.0,
+                                          offload={"optimizer": "host", "overlap": overlap})  # fmt: skip
+        for index, (x, y) in enumerate(data):
+            scale = 1e3 if index in (3, 5) else 1e-3  # steps 3 and 5 clip
+            for engine in engines.values():
+                engine.backward(engine(x, y) * scale)
+                engine.step()
+            assert engines[True].last_grad_norm == engines[False].last_grad_norm, index
+            assert_same_state(engines[True].state_dict(), engines[False].state_dict())
+        summary = engines[True].run_summary()
+        assert summary.speculative_rollbacks == 2 and summary.speculative_commits >= 4
+    finally:
+        for engine in engines.values():
+            engine.close()
+        torch.set_num_threads(threads)
