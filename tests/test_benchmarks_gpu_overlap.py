@@ -16,7 +16,9 @@ def test_the_gpu_overlap_runs_both_pairs_bit_identical_on_a_simulated_device(cap
                        checkpoint=True)  # fmt: skip
     result = measure_overlap(config, {"type": "simulated", "capacity": "1GiB"}, (1, 2),
                              steps=7, warmup=1, share_steps=1, sync=lambda: None)  # fmt: skip
-    assert result["identical"]
+    assert result["identical"] and all(result["identical_by_pair"].values())
+    assert result["regime"]
+    assert "unhidden_s" not in result["clipped"]  # not a measurement on a GPU
     shares = result["host_update_share_by_rows"]
     fitting = [rows for rows, share in shares.items() if share >= MIN_HOST_SHARE]
     assert result["rows"] == (max(fitting) if fitting else min(shares))
