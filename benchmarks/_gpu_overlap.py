@@ -13,8 +13,9 @@ host (``offload.optimizer: host``), two engines differing only in ``offload.over
 of the two alternating, bit-identical parameters at the end. The regime is measured: the most
 micro-batch rows (of ``block_size`` tokens) at which the serial step's host update is still
 MIN_HOST_SHARE of it (``regime`` says where the candidates capped it or none reached it).
-Bit-identity is checked on the parameters and buffers at the end of each pair. Timings synchronize the device at backward's end and the step's end,
-so the split between forward+backward and ``step()`` is the device's, not the launch queue's.
+Bit-identity is checked on the parameters and buffers at the end of each pair. Timings
+synchronize the device at backward's end and the step's end, so the split between
+forward+backward and ``step()`` is the device's, not the launch queue's.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 import chunkmem
 from benchmarks.offload_overlap import (
+    CLIP,
     LOSS_SCALE,
     MIN_HOST_SHARE,
     ROLLBACK_EVERY,
@@ -38,7 +40,6 @@ from benchmarks.offload_overlap import (
 )
 from chunkmem.models.gpt import GPT, GPTConfig
 
-CLIP = 1.0
 FORCED_SCALE = 1e4  # a step whose loss is scaled up this much clips (a rollback)
 
 
