@@ -454,7 +454,8 @@ def host_adam_step_out_of_place(
     state: State, grads, offset: int = 0, params_in_place: bool = False, **kwargs
 ) -> None:
     """The update written to new tensors ``offset`` elements into their allocations (0: the
-    lanes stream them; 5: the first elements go one at a time until they are aligned), the
+    lanes stream them; 5 and 8, 20 and 32 bytes off a line: the first elements go one at a
+    time until they are 64-byte aligned, then the lanes stream whole lines), the
     inputs left as they were, then taken. ``params_in_place``: only the moments go elsewhere
     (fp32 training's speculative update)."""
     before = state.clone()
@@ -486,7 +487,7 @@ def row_stores(request):
 
 
 @pytest.mark.parametrize("params_in_place", [False, True], ids=["all", "moments"])
-@pytest.mark.parametrize("offset", [0, 5], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("offset", [0, 5, 8], ids=["aligned", "unaligned", "half-line-off"])
 def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(
     offset, params_in_place, row_stores
 ):
@@ -505,7 +506,8 @@ def test_an_update_out_of_place_gives_the_in_place_bits_and_leaves_its_inputs(
 
 def host_adam_step_saving_grads(state: State, grads, offset: int = 0, **kwargs) -> None:
     """The update with every other gradient saved ``offset`` elements into a NaN buffer (0:
-    the lanes stream the copies; 3: they store them through the cache), out of place and in
+    the lanes stream the copies; 3, and 16, half a line of 16-bit gradients off: they store
+    them through the cache), out of place and in
     place alternately; the saved gradients are the inputs' bits, before any division."""
     before = [g.clone() for g in grads]
     saved = [_nan_at(offset, g) if i % 2 == 0 else None for i, g in enumerate(grads)]
@@ -516,7 +518,7 @@ def host_adam_step_saving_grads(state: State, grads, offset: int = 0, **kwargs) 
             assert_same_bits(copy, grad, f"the saved gradient {i}")
 
 
-@pytest.mark.parametrize("offset", [0, 3], ids=["aligned", "unaligned"])
+@pytest.mark.parametrize("offset", [0, 3, 16], ids=["aligned", "unaligned", "half-line-off"])
 def test_an_update_saves_the_gradients_it_reads_and_gives_the_same_bits(offset, row_stores):
     """Every kind of Adam step, fp32 gradients divided where they lie included; the saved
     rows streamed or cached."""

@@ -155,59 +155,131 @@ inline void store_new8(float* p, __m256 x) {
     _mm256_storeu_ps(p, x);
 }
 
+// 32 gradients saved as save8 saves 8: whole 64-byte lines of 16-bit gradients (two of fp32)
+// stored back to back (see kLineLanes).
+template <class G>
+inline void save32(typename G::Raw* dst, const typename G::Raw* src, bool stream) {
+  for (int k = 0; k < 4; ++k) save8<G>(dst + 8 * k, src + 8 * k, stream);
+}
+
+// The new values of 8 elements, computed before they are stored.
+struct Adam8 {
+  __m256 param, exp_avg, exp_avg_sq;
+};
+
+// The body formulas on 8 elements of one tensor's rows: the scalars splatted once per call.
+template <class G, class S>
+class AdamMath {
+ public:
+  AdamMath(const AdamScalars& s, const AdamRows<G, S>& rows, const float* grad_scale)
+      : p_(rows.p), g_(rows.g), m_(rows.m), v_(rows.v), lr_decay_(splat(s.lr_decay)),
+        wd_(splat(s.weight_decay)), coeff_(splat(s.lerp_coeff)), c2_(splat(s.c2)),
+        beta2_(splat(s.beta2)), bc2_sqrt_(splat(s.bc2_sqrt)), eps_(splat(s.eps)),
+        neg_step_size_(splat(s.neg_step_size)), scale_(splat(grad_scale ? *grad_scale : 1.0f)),
+        decay_(s.decay), decoupled_(s.decoupled), small_lerp_(s.small_lerp),
+        scaled_(grad_scale != nullptr) {}
+
+  // Reads elements [i, i + 8) and computes their new values (fp32 gradients divided by the
+  // scale are written back here); moments(exp_avg, exp_avg_sq) may store the new moments as
+  // soon as they are known.
+  template <class Moments>
+  __attribute__((always_inline)) Adam8 operator()(int64_t i, Moments&& moments) const {
+    __m256 grad = load8<G>(g_ + i);
+    if (scaled_) {
+      grad = _mm256_div_ps(grad, scale_);
+      if constexpr (std::is_same_v<G, F32>) _mm256_storeu_ps(g_ + i, grad);
+    }
+    __m256 param = _mm256_loadu_ps(p_ + i);
+    if (decay_) {
+      if (decoupled_)
+        param = _mm256_mul_ps(param, lr_decay_);
+      else
+        grad = fma8(param, wd_, grad);
+    }
+    __m256 exp_avg = load8<S>(m_ + i);
+    const __m256 base = small_lerp_ ? exp_avg : grad;
+    exp_avg = fma8(coeff_, _mm256_sub_ps(grad, exp_avg), base);
+    __m256 exp_avg_sq = load8<S>(v_ + i);
+    exp_avg_sq = fma8(_mm256_mul_ps(c2_, grad), grad, _mm256_mul_ps(exp_avg_sq, beta2_));
+    moments(exp_avg, exp_avg_sq);
+    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), bc2_sqrt_), eps_);
+    param = _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(neg_step_size_, exp_avg), denom));
+    return Adam8{param, exp_avg, exp_avg_sq};
+  }
+
+ private:
+  // Copies, not the rows' or scalars' fields: the stores could alias them, which would reload
+  // them per step.
+  const float* const p_;
+  typename G::Raw* const g_;
+  const typename S::Raw* const m_;
+  const typename S::Raw* const v_;
+  const __m256 lr_decay_, wd_, coeff_, c2_, beta2_, bc2_sqrt_, eps_, neg_step_size_, scale_;
+  const bool decay_, decoupled_, small_lerp_, scaled_;
+};
+
+// Elements per step of adam_lanes: 32, a whole 64-byte line of every 16-bit row and two of
+// every fp32 row.
+//
+// [Note: whole lines a step] A non-temporal store goes to a write-combining buffer that is
+// flushed to memory when its line is whole, or early when the buffers are needed for other
+// lines; a line flushed in parts costs a read-modify-write of memory per part. Stored 8
+// elements at a time, each row's line was written in 2 (fp32) or 4 (16-bit) parts with the
+// other rows' stores between them, and on 2026-12-01's Ice Lake VM that made a speculative
+// update 2.3 times as slow streamed as through the cache (row_stores.h). Computing 32 elements
+// first and then storing each streamed row's lines whole took the streamed stores of a mimic of
+// the update (3 fp32 rows and a 16-bit gradient read; 3 fp32 rows, the 16-bit copy and the saved
+// gradients written elsewhere) from 15.5 to 1.8 ns an element, against 2.7 through the cache and
+// 1.25 in place; 16 elements at a time (whole fp32 lines, half 16-bit ones) took 5.1. The same
+// steps made the update in place faster too (17M elements, bf16 gradients, one core: 21-24 ms
+// against 27-33 stored 8 at a time).
+constexpr int64_t kLineLanes = 32;
+
 // STREAM_PARAMS streams the new fp32 parameters, STREAM_MOMENTS the new moments (fp32 states
 // only): an update out of place may write one elsewhere and the other in place (fp32
-// training's speculative update keeps its parameters in place).
+// training's speculative update keeps its parameters in place). Streamed rows are stored a whole
+// line at a time (adam_range aligns them to 64 bytes), the others as they are computed.
 template <class G, class S, class O, bool STREAM, bool STREAM_PARAMS, bool STREAM_MOMENTS>
 void adam_lanes(const AdamScalars& s, int64_t n, const AdamRows<G, S>& rows,
                 typename O::Raw* out, const float* grad_scale) {
   constexpr bool kStreamMoments = STREAM_MOMENTS && std::is_same_v<S, F32>;
-  const float* const p = rows.p;
-  typename G::Raw* const g = rows.g;
-  const typename S::Raw* const m = rows.m;
-  const typename S::Raw* const v = rows.v;
-  const __m256 lr_decay = splat(s.lr_decay), wd = splat(s.weight_decay);
-  const __m256 coeff = splat(s.lerp_coeff), c2 = splat(s.c2), beta2 = splat(s.beta2);
-  const __m256 bc2_sqrt = splat(s.bc2_sqrt), eps = splat(s.eps);
-  const __m256 neg_step_size = splat(s.neg_step_size);
-  // Locals, not s's fields: the stores below could alias s, which would reload them per step.
-  const bool decay = s.decay, decoupled = s.decoupled, small_lerp = s.small_lerp;
-  const __m256 scale = splat(grad_scale ? *grad_scale : 1.0f);
-  typename G::Raw* const g_saved = rows.g_saved;
-  const bool stream_saved = rows.stream_saved;
-  for_steps<O, STREAM>(n, out, [&](int64_t i) {
-    if (g_saved) save8<G>(g_saved + i, g + i, stream_saved);
-    __m256 grad = load8<G>(g + i);
-    if (grad_scale) {
-      grad = _mm256_div_ps(grad, scale);
-      if constexpr (std::is_same_v<G, F32>) _mm256_storeu_ps(g + i, grad);
-    }
-    __m256 param = _mm256_loadu_ps(p + i);
-    if (decay) {
-      if (decoupled)
-        param = _mm256_mul_ps(param, lr_decay);
-      else
-        grad = fma8(param, wd, grad);
-    }
-    __m256 exp_avg = load8<S>(m + i);
-    const __m256 base = small_lerp ? exp_avg : grad;
-    exp_avg = fma8(coeff, _mm256_sub_ps(grad, exp_avg), base);
-    __m256 exp_avg_sq = load8<S>(v + i);
-    exp_avg_sq = fma8(_mm256_mul_ps(c2, grad), grad, _mm256_mul_ps(exp_avg_sq, beta2));
+  const AdamMath<G, S> update8(s, rows, grad_scale);
+  // Moments through the cache as they are computed; streamed ones after the step's 32.
+  const auto cached_moments = [&](int64_t i) {
+    return [&rows, i](__m256 exp_avg, __m256 exp_avg_sq) {
+      if constexpr (!kStreamMoments) {
+        store8<S>(rows.m_new + i, exp_avg);
+        store8<S>(rows.v_new + i, exp_avg_sq);
+      }
+    };
+  };
+  int64_t i = 0;
+  for (; i + kLineLanes <= n; i += kLineLanes) {
+    if (rows.g_saved) save32<G>(rows.g_saved + i, rows.g + i, rows.stream_saved);
+    Adam8 r[4];
+    for (int k = 0; k < 4; ++k) r[k] = update8(i + 8 * k, cached_moments(i + 8 * k));
     if constexpr (kStreamMoments) {
-      store_new8<true>(rows.m_new + i, exp_avg);
-      store_new8<true>(rows.v_new + i, exp_avg_sq);
-    } else {
-      store8<S>(rows.m_new + i, exp_avg);
-      store8<S>(rows.v_new + i, exp_avg_sq);
+      for (int k = 0; k < 4; ++k) store_new8<true>(rows.m_new + i + 8 * k, r[k].exp_avg);
+      for (int k = 0; k < 4; ++k) store_new8<true>(rows.v_new + i + 8 * k, r[k].exp_avg_sq);
     }
-    const __m256 denom = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), bc2_sqrt), eps);
-    param = _mm256_add_ps(param, _mm256_div_ps(_mm256_mul_ps(neg_step_size, exp_avg), denom));
-    store_new8<STREAM_PARAMS>(rows.p_new + i, param);
-    return param;
-  });
+    for (int k = 0; k < 4; ++k) store_new8<STREAM_PARAMS>(rows.p_new + i + 8 * k, r[k].param);
+    if constexpr (!std::is_same_v<O, NoOut>) {
+      store_out16<O, STREAM>(out + i, r[0].param, r[1].param);
+      store_out16<O, STREAM>(out + i + 16, r[2].param, r[3].param);
+    }
+  }
+  for (; i < n; i += kLanes) {  // the last elements, fewer than kLineLanes
+    if (rows.g_saved) save8<G>(rows.g_saved + i, rows.g + i, rows.stream_saved);
+    const Adam8 r = update8(i, cached_moments(i));
+    if constexpr (kStreamMoments) {
+      store_new8<true>(rows.m_new + i, r.exp_avg);
+      store_new8<true>(rows.v_new + i, r.exp_avg_sq);
+    }
+    store_new8<STREAM_PARAMS>(rows.p_new + i, r.param);
+    if constexpr (!std::is_same_v<O, NoOut>) store_out8<O, STREAM>(out + i, r.param);
+  }
   // Streamed stores are weakly ordered.
-  if (STREAM_PARAMS || kStreamMoments || stream_saved) _mm_sfence();
+  if (STREAM || STREAM_PARAMS || kStreamMoments || rows.stream_saved) _mm_sfence();
 }
 
 template <class G, class S, class O, bool STREAM>

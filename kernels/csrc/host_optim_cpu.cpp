@@ -39,21 +39,25 @@ constexpr int64_t kParallelMinNumel = 1 << 16;
 // 16-bit copy of the parameters is streamed to memory (host_optim_avx2.h, store_out8).
 constexpr int64_t kStreamMinNumel = 1 << 22;
 
-// Whether the lanes may stream the 16-bit copy starting at out.
+// Whether the lanes may stream the 16-bit copy starting at out, aligned to `alignment` bytes
+// (32: the lanes' 32-byte stores; 64 beside rows streamed elsewhere, a whole line at a time:
+// [Note: whole lines a step]).
 template <class O>
-bool may_stream(bool large_call, const typename O::Raw* out) {
-  return !std::is_same_v<O, NoOut> && large_call && reinterpret_cast<uintptr_t>(out) % 32 == 0;
+bool may_stream(bool large_call, const typename O::Raw* out, uintptr_t alignment = 32) {
+  return !std::is_same_v<O, NoOut> && large_call &&
+         reinterpret_cast<uintptr_t>(out) % alignment == 0;
 }
 
 #if HOST_OPTIM_HAVE_AVX2
-inline bool aligned32(const void* p) { return reinterpret_cast<uintptr_t>(p) % 32 == 0; }
+// Streamed rows are stored a whole 64-byte line at a time ([Note: whole lines a step]).
+inline bool aligned64(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
 
 // Whether the lanes may stream the new parameters (host_optim_avx2.h, store_new8): written
-// elsewhere than they are read, 32-byte aligned, and rows are streamed on this machine
+// elsewhere than they are read, 64-byte aligned, and rows are streamed on this machine
 // ([Note: streamed or cached row stores]).
 template <class S, class G>
 bool may_stream_params(const cmo::avx2::AdamRows<G, S>& rows, bool stream_rows) {
-  return stream_rows && rows.p_new != rows.p && aligned32(rows.p_new);
+  return stream_rows && rows.p_new != rows.p && aligned64(rows.p_new);
 }
 
 // Whether the lanes may stream the new moments: fp32, both written elsewhere, aligned, and
@@ -61,7 +65,7 @@ bool may_stream_params(const cmo::avx2::AdamRows<G, S>& rows, bool stream_rows) 
 template <class S, class G>
 bool may_stream_moments(const cmo::avx2::AdamRows<G, S>& rows, bool stream_rows) {
   return stream_rows && std::is_same_v<S, F32> && rows.m_new != rows.m && rows.v_new != rows.v &&
-         aligned32(rows.m_new) && aligned32(rows.v_new);
+         aligned64(rows.m_new) && aligned64(rows.v_new);
 }
 
 // adam_lanes with its stream flags chosen at run time.
@@ -165,22 +169,23 @@ void adam_range(const AdamScalars& s, int64_t numel, int64_t begin, int64_t end,
 #if HOST_OPTIM_HAVE_AVX2
   if constexpr (std::is_same_v<S, F32>) {
     // Out of place: the first elements one at a time (the same bits) until the new rows are
-    // 32-byte aligned, so that the lanes stream them (store_new8). The rows written
-    // elsewhere share their alignment (shadows laid out like the payloads).
+    // 64-byte aligned, so that the lanes stream them a line at a time (store_new8, [Note:
+    // whole lines a step]). The rows written elsewhere share their alignment (shadows
+    // laid out like the payloads).
     const float* first_new = p_new != p ? p_new : m_new != m ? m_new : nullptr;
     if (first_new)
-      for (; i < body && reinterpret_cast<uintptr_t>(first_new + i) % 32 != 0; ++i)
-        element(std::false_type{}, i);
+      for (; i < body && !aligned64(first_new + i); ++i) element(std::false_type{}, i);
   }
   if (i < body) {
     const int64_t n = (body - i) / cmo::kLanes * cmo::kLanes;  // the rest: one at a time, below
     typename O::Raw* o = std::is_same_v<O, NoOut> ? out : out + i;
     typename G::Raw* const saved = g_saved ? g_saved + i : nullptr;
-    const bool stream_saved = stream_rows && saved &&
-        reinterpret_cast<uintptr_t>(saved) % (cmo::kLanes * sizeof(*saved)) == 0;
+    const bool stream_saved = stream_rows && saved && aligned64(saved);
     const cmo::avx2::AdamRows<G, S> rows{p + i,     g + i,     m + i, v + i, p_new + i,
                                          m_new + i, v_new + i, saved, stream_saved};
-    if (may_stream<O>(large_call, o))
+    // Beside rows streamed elsewhere the copy is streamed a whole line at a time too.
+    const bool elsewhere = p_new != p || m_new != m || saved != nullptr;
+    if (may_stream<O>(large_call, o, stream_rows && elsewhere ? 64 : 32))
       adam_lanes_streaming<G, S, O, true>(s, n, rows, o, grad_scale, stream_rows);
     else
       adam_lanes_streaming<G, S, O, false>(s, n, rows, o, grad_scale, stream_rows);

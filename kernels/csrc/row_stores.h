@@ -7,8 +7,11 @@
 // against 4.1-5.7 ms through the cache (3.15M elements, bf16 gradients, fp32 states, one core;
 // in place 2.6-3.5 ms). On 2026-12-01's Ice Lake VM the same streamed stores made it
 // 17.2 ms against 7.3 ms through the cache (in place 3.9 ms), and the overlapped step hid none
-// of the clipped update. Which kind wins is the machine's, and the bits are the same either
-// way, so the library measures: large out-of-place calls alternate the two kinds, and once each
+// of the clipped update. Most of that was how the lanes stored them, a part of a line at a time
+// between the other rows' stores ([Note: whole lines a step] in host_optim_avx2.h): stored a
+// whole line at a time, the same VM's streamed update took 7.3 ms against 8.1 through the cache
+// (4.6 in place), and 35 against 58 at 17M elements. Which kind wins is still the machine's,
+// and the bits are the same either way, so the library measures: large out-of-place calls alternate the two kinds, and once each
 // has its trial calls the one with the lower median time per element is used from then on. A
 // call writing rows for the first time is not timed: it faults their pages in (in an engine
 // where 4 warm-up calls were all, the first step's fresh shadows timed the cached kind at 14.3
