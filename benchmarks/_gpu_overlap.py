@@ -35,6 +35,7 @@ from benchmarks.offload_overlap import (
     LOSS_SCALE,
     MIN_HOST_SHARE,
     ROLLBACK_EVERY,
+    StepSample,
     analyse,
     last_final_share,
 )
@@ -63,8 +64,9 @@ def build(model: GPT, device: dict[str, Any], overlap: bool, clip: float, thread
 
 
 def timed_step(engine, x: torch.Tensor, y: torch.Tensor, scale: float, sync: Callable[[], None]):
-    """One step as ``benchmarks.offload_overlap.one_step`` samples it (the tuple ``analyse``
-    reads), the device synchronized at backward's end and the step's end."""
+    """One step as ``benchmarks.offload_overlap.one_step`` samples it (what ``analyse`` reads;
+    no steal: a GPU's host is not an emulation's second vCPU), the device synchronized at
+    backward's end and the step's end."""
     sync()
     start = time.perf_counter()
     cpu_start = time.thread_time()
@@ -77,8 +79,15 @@ def timed_step(engine, x: torch.Tensor, y: torch.Tensor, scale: float, sync: Cal
     engine.step()
     sync()
     end = time.perf_counter()
-    return (end - start, backward_done - start, end - backward_done, engine.last_grad_norm, cpu,
-            0.0, backward_done - forward_done)  # fmt: skip
+    return StepSample(
+        step_s=end - start,
+        forward_backward_s=backward_done - start,
+        step_call_s=end - backward_done,
+        grad_norm=engine.last_grad_norm,
+        cpu_s=cpu,
+        listener_cpu_s=0.0,
+        backward_s=backward_done - forward_done,
+    )
 
 
 def batches(config: GPTConfig, rows: int, count: int, where: str) -> list[tuple]:

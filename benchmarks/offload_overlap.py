@@ -27,6 +27,16 @@ measures that slowdown (``details.emulation.compute_slowdown_beside_host_load``:
 backward in plain torch, alone and beside an Adam loop in another process on the host core)
 so that a reader can tell the overlap's cost from the machine's.
 
+[Note: steal] A hypervisor may run something else on a vCPU at any time; the guest counts
+that time per CPU (``benchmarks/_steal.py``, from /proc/stat, outside the engine). On the Ice
+Lake VM the compute vCPU lost 2-18 ms a step to it in the serial engine's forward and backward
+and 9-75 ms in the overlapped engine's, in the same interleaved minutes: while both vCPUs are
+busy, which the overlap is by design, the machine takes more. So the keys move with the hour
+on such a VM. Each run reports the mean steal a step by engine, phase and core
+(``hypervisor_steal_s_per_step``) and the compute core's steal beyond the serial engine's
+within the waiting time it attributes (``unhidden_s.engine_thread_waiting_hypervisor_steal``);
+the keys themselves are wall times, steal included, as a user of this machine would see them.
+
 [Note: the regime is measured] How much an overlap can hide depends on the host update's share
 of the serial step, which depends on the CPU (bf16 compute is emulated without AVX-512 BF16)
 and on the tokens per step. The benchmark measures that share for micro-batches of 2 to 256
@@ -142,13 +152,14 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import chunkmem
 from benchmarks._common import parse_args, print_table, write_results
 from benchmarks._measured_code import python_command
+from benchmarks._steal import steal_between, steal_s
 from benchmarks._timing import median_seconds
 from chunkmem.cli.data import stdlib_text
 from chunkmem.config import NvmeConfig
@@ -156,6 +167,7 @@ from chunkmem.models.gpt import GPT, GPTConfig
 from kernels.row_stores import row_stores, set_row_stores
 
 COMPUTE_CORE, HOST_CORE = 0, 1
+CORES = (COMPUTE_CORE, HOST_CORE)
 BLOCK = 8  # step pairs per ratio
 REPEATS = 3  # plain and clipped pairs in a full run, each on fresh engines
 ROLLBACK_EVERY = 6  # a step whose loss is scaled up so that clipping fires
@@ -242,11 +254,26 @@ def time_listener(engine) -> None:
     listener.writing = timed(listener.writing)
 
 
-def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> tuple:
-    """(step seconds, forward+backward seconds, engine.step() seconds, grad norm, the main
-    thread's CPU seconds in forward+backward, of which in the overlap's callbacks, backward
-    seconds)."""
+class StepSample(NamedTuple):
+    """One engine step as the benchmark times it (seconds)."""
+
+    step_s: float
+    forward_backward_s: float
+    step_call_s: float  # engine.step()
+    grad_norm: float
+    cpu_s: float  # the main thread's CPU in forward and backward
+    listener_cpu_s: float  # of which in the overlap's callbacks
+    backward_s: float
+    # Hypervisor steal (compute core, host core) in forward and backward and in step(): the
+    # machine's, not the engine's (see the note on steal); None where not counted.
+    steal_forward_backward_s: tuple[float, ...] | None = None
+    steal_step_call_s: tuple[float, ...] | None = None
+
+
+def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> StepSample:
+    """One step of ``engine``, timed (a serial engine's ``step()`` moved to the host core)."""
     engine.listener_cpu_s = 0.0
+    steal_start = steal_s(CORES)
     start = time.perf_counter()
     cpu_start = time.thread_time()
     loss = engine(x, y) * scale
@@ -254,20 +281,23 @@ def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> tuple:
     engine.backward(loss)
     backward_done = time.perf_counter()
     cpu = time.thread_time() - cpu_start
+    steal_backward_done = steal_s(CORES)
     if serial_on_host_core:
         os.sched_setaffinity(0, {HOST_CORE})
     engine.step()
     if serial_on_host_core:
         os.sched_setaffinity(0, {COMPUTE_CORE})
     end = time.perf_counter()
-    return (
-        end - start,
-        backward_done - start,
-        end - backward_done,
-        engine.last_grad_norm,
-        cpu,
-        engine.listener_cpu_s,
-        backward_done - forward_done,
+    return StepSample(
+        step_s=end - start,
+        forward_backward_s=backward_done - start,
+        step_call_s=end - backward_done,
+        grad_norm=engine.last_grad_norm,
+        cpu_s=cpu,
+        listener_cpu_s=engine.listener_cpu_s,
+        backward_s=backward_done - forward_done,
+        steal_forward_backward_s=steal_between(steal_start, steal_backward_done),
+        steal_step_call_s=steal_between(steal_backward_done, steal_s(CORES)),
     )
 
 
@@ -438,9 +468,9 @@ def choose_precision(pinned: bool, path: str, steps: int) -> dict[str, Any]:
             )
         for index, (x, y) in enumerate(text_batches(tokens, 2 + steps)):
             for precision in PRECISIONS if index % 2 else PRECISIONS[::-1]:
-                forward_backward_s = one_step(engines[precision], x, y, 1.0, pinned)[1]
+                sample = one_step(engines[precision], x, y, 1.0, pinned)
                 if index >= 2:
-                    seconds[precision].append(forward_backward_s)
+                    seconds[precision].append(sample.forward_backward_s)
     finally:
         for engine in engines.values():
             engine.close()
@@ -468,8 +498,8 @@ def choose_tokens(
             one_step(engine, x, y, 1.0, pinned) for x, y in text_batches(tokens, 2 + steps)
         ][2:]  # fmt: skip
         engine.close()
-        shares[tokens] = statistics.median(s[2] for s in samples) / statistics.median(
-            s[0] for s in samples
+        shares[tokens] = statistics.median(s.step_call_s for s in samples) / statistics.median(
+            s.step_s for s in samples
         )
         if shares[tokens] < MIN_HOST_SHARE:
             break
@@ -487,7 +517,7 @@ def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, cli
         )
         for name, overlap in (("serial", False), ("overlapped", True))
     }
-    samples: dict[str, list[tuple]] = {name: [] for name in engines}
+    samples: dict[str, list[StepSample]] = {name: [] for name in engines}
     forced_steps: list[int] = []
     for index, (x, y) in enumerate(text_batches(tokens, warmup + steps)):
         scale = LOSS_SCALE if clip else 1.0
@@ -548,7 +578,7 @@ def analyse(run: dict, clip: float) -> dict:
     """Hidden fraction and block ratios over the steps where clipping did not fire; the
     rollback ratio over the steps where it did."""
     pairs = list(zip(run["samples"]["overlapped"], run["samples"]["serial"], strict=True))
-    clipped = [clip > 0 and s[3] > clip for _o, s in pairs]
+    clipped = [clip > 0 and s.grad_norm > clip for _o, s in pairs]
     kept = [pair for pair, fired in zip(pairs, clipped, strict=True) if not fired]
     fired = [pair for pair, did in zip(pairs, clipped, strict=True) if did]
     if not kept:
@@ -557,13 +587,13 @@ def analyse(run: dict, clip: float) -> dict:
                 "median_step_s": None,
                 "update_hidden_fraction_dependency_bound":
                     run["update_hidden_fraction_dependency_bound"]}  # fmt: skip
-    t_over = statistics.median(o[0] for o, _s in kept)
-    t_serial = statistics.median(s[0] for _o, s in kept)
-    t_serial_fwd_bwd = statistics.median(s[1] for _o, s in kept)
-    t_over_fwd_bwd = statistics.median(o[1] for o, _s in kept)
+    t_over = statistics.median(o.step_s for o, _s in kept)
+    t_serial = statistics.median(s.step_s for _o, s in kept)
+    t_serial_fwd_bwd = statistics.median(s.forward_backward_s for _o, s in kept)
+    t_over_fwd_bwd = statistics.median(o.forward_backward_s for o, _s in kept)
     blocks = [kept[i : i + BLOCK] for i in range(0, len(kept) - BLOCK + 1, BLOCK)]
     ratios = [
-        statistics.median(o[0] for o, _s in b) / statistics.median(s[0] for _o, s in b)
+        statistics.median(o.step_s for o, _s in b) / statistics.median(s.step_s for _o, s in b)
         for b in blocks
     ]
     return {
@@ -574,18 +604,20 @@ def analyse(run: dict, clip: float) -> dict:
             "overlapped": t_over,
             "serial": t_serial,
             "serial_forward_backward": t_serial_fwd_bwd,
-            "serial_backward": statistics.median(s[6] for _o, s in kept),
+            "serial_backward": statistics.median(s.backward_s for _o, s in kept),
             # Where the unhidden time is: forward and backward lengthened by the engine
             # thread's share of the early updates, and what ``step()`` still does.
             "overlapped_forward_backward": t_over_fwd_bwd,
-            "overlapped_step_call": statistics.median(o[2] for o, _s in kept),
+            "overlapped_step_call": statistics.median(o.step_call_s for o, _s in kept),
         },  # fmt: skip
         "unhidden_s": unhidden(kept),
+        "hypervisor_steal_s_per_step": steal_per_step(kept),
+        "without_hypervisor_steal": without_steal(kept),
         "steps_measured": len(kept),
         "steps_clipped": len(fired),
         "update_hidden_fraction_dependency_bound": run["update_hidden_fraction_dependency_bound"],
-        "rollback_step_time_ratio": statistics.median(o[0] for o, _s in fired)
-        / statistics.median(s[0] for _o, s in fired)
+        "rollback_step_time_ratio": statistics.median(o.step_s for o, _s in fired)
+        / statistics.median(s.step_s for _o, s in fired)
         if fired
         else None,
     }
@@ -612,6 +644,15 @@ def median_repeat(analyses: list[dict]) -> dict:
     return ordered[(len(ordered) - 1) // 2]
 
 
+def ablation_over_repeats(analyses: list[dict]) -> dict[str, float] | None:
+    """Each ``without_hypervisor_steal`` value's median over the repeats (None where a repeat
+    has none: steal not counted)."""
+    ablations = [a.get("without_hypervisor_steal") for a in analyses]
+    if not ablations or any(ablation is None for ablation in ablations):
+        return None
+    return {key: statistics.median(a[key] for a in ablations) for key in ablations[0]}
+
+
 def host_bound(analysis: dict, host_interference: dict | None) -> float | None:
     """The most of the update an overlap can hide while the host core runs r-fold slower
     beside backward (see ``update_hidden_fraction_host_bound``): min(1, B / (r U))."""
@@ -631,17 +672,81 @@ def combined_bound(dependency: float, machine: float | None, host: float | None)
     return bound if host is None else min(bound, host)
 
 
-def unhidden(kept: list[tuple[tuple, tuple]]) -> dict[str, float]:
+def unhidden(kept: list[tuple[StepSample, StepSample]]) -> dict[str, float | None]:
     """Where the overlapped step's unhidden time goes (medians over step pairs, seconds):
     the engine thread's Python starting early updates in backward; the rest of its extra CPU
     time in forward and backward (the same work slowed by the host core beside it: shared
-    memory bandwidth and caches); the time it waited (the GIL, a collective, an update it
-    needs); and what ``step()`` still does (the last group's update, never hidden)."""
+    memory bandwidth and caches); the time it did not run (it waited: the GIL, a collective, an
+    update it needs; or the hypervisor ran something else), and of that the hypervisor's steal
+    on the compute core beyond the serial engine's (a difference of means: the counter moves in
+    ticks; see the note on steal); and what ``step()`` still does (the last group's update,
+    never hidden)."""
     return {
-        "engine_thread_early_updates": statistics.median(o[5] for o, _s in kept),
-        "compute_slowdown": statistics.median((o[4] - o[5]) - s[4] for o, s in kept),
-        "engine_thread_waiting": statistics.median((o[1] - o[4]) - (s[1] - s[4]) for o, s in kept),
-        "step_call": statistics.median(o[2] for o, _s in kept),
+        "engine_thread_early_updates": statistics.median(o.listener_cpu_s for o, _s in kept),
+        "compute_slowdown": statistics.median(
+            (o.cpu_s - o.listener_cpu_s) - s.cpu_s for o, s in kept
+        ),
+        "engine_thread_waiting": statistics.median(
+            (o.forward_backward_s - o.cpu_s) - (s.forward_backward_s - s.cpu_s) for o, s in kept
+        ),
+        "engine_thread_waiting_hypervisor_steal": _mean_steal_beyond_serial(kept),
+        "step_call": statistics.median(o.step_call_s for o, _s in kept),
+    }
+
+
+def _mean_steal_beyond_serial(kept: list[tuple[StepSample, StepSample]]) -> float | None:
+    """The compute core's mean steal in the overlapped engine's forward and backward minus the
+    serial engine's (None where steal is not counted)."""
+    steals = [(o.steal_forward_backward_s, s.steal_forward_backward_s) for o, s in kept]
+    if any(o is None or s is None for o, s in steals):
+        return None
+    return statistics.mean(o[0] - s[0] for o, s in steals)  # type: ignore[index]
+
+
+def steal_per_step(kept: list[tuple[StepSample, StepSample]]) -> dict[str, Any] | None:
+    """Each engine's mean hypervisor steal a step (seconds), by phase and core: how much of the
+    steps the machine took (see the note on steal); None where it is not counted."""
+    phases = {"forward_backward": "steal_forward_backward_s", "step_call": "steal_step_call_s"}
+    per_engine = {}
+    for name, position in (("overlapped", 0), ("serial", 1)):
+        per_phase = {}
+        for phase, field in phases.items():
+            readings = [getattr(pair[position], field) for pair in kept]
+            if any(reading is None for reading in readings):
+                return None
+            per_phase[phase] = {
+                core: statistics.mean(reading[index] for reading in readings)
+                for index, core in enumerate(("compute_core", "host_core"))
+            }
+        per_engine[name] = per_phase
+    return per_engine
+
+
+def without_steal(kept: list[tuple[StepSample, StepSample]]) -> dict[str, float] | None:
+    """The ablation without the machine's disadvantage (see the note on steal): the hidden
+    fraction and step-time ratio from median step times less the mean steal on the core the
+    engine thread ran on: the compute core in forward and backward (both engines), the host
+    core in the serial ``step()``. Nothing is taken off the overlapped ``step()`` nor the host
+    thread's steal in backward (both can delay the overlapped step), so the ablation leans
+    toward the serial engine. None where steal is not counted."""
+    steal = steal_per_step(kept)
+    if steal is None:
+        return None
+    serial, overlapped = steal["serial"], steal["overlapped"]
+    serial_fwd_bwd = (
+        statistics.median(s.forward_backward_s for _o, s in kept)
+        - serial["forward_backward"]["compute_core"]
+    )
+    serial_step = statistics.median(s.step_s for _o, s in kept) - (
+        serial["forward_backward"]["compute_core"] + serial["step_call"]["host_core"]
+    )
+    overlapped_step = (
+        statistics.median(o.step_s for o, _s in kept)
+        - overlapped["forward_backward"]["compute_core"]
+    )
+    return {
+        "update_hidden_fraction": (serial_step - overlapped_step) / (serial_step - serial_fwd_bwd),
+        "step_time_ratio": overlapped_step / serial_step,
     }
 
 
@@ -817,6 +922,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         ],  # fmt: skip
     )
+    steal = clipped["hypervisor_steal_s_per_step"]
+    if steal is not None:
+        print(
+            "\nhypervisor steal a step (clip 1.0, means; /proc/stat), compute core / host core: "
+            + "; ".join(
+                f"{name} forward+backward {1e3 * steal[name]['forward_backward']['compute_core']:.1f}"
+                f" / {1e3 * steal[name]['forward_backward']['host_core']:.1f} ms, step() "
+                f"{1e3 * steal[name]['step_call']['compute_core']:.1f}"
+                f" / {1e3 * steal[name]['step_call']['host_core']:.1f} ms"
+                for name in ("overlapped", "serial")
+            )
+        )
+    without = {
+        name: ablation_over_repeats(analyses)
+        for name, analyses in (("plain", plain_repeats), ("clipped", clipped_repeats))
+    }
+    if without["plain"] is not None and without["clipped"] is not None:
+        print(
+            "the ablation without that steal (medians over the repeats; it leans toward the serial "
+            "engine): hidden "
+            f"{without['plain']['update_hidden_fraction']:.2f} plain, "
+            f"{without['clipped']['update_hidden_fraction']:.2f} clipped; step-time ratio "
+            f"{without['plain']['step_time_ratio']:.3f} plain, "
+            f"{without['clipped']['step_time_ratio']:.3f} clipped"
+        )
     if not probing:
         print("\nno interference probes (a quick run, or not pinned): the machine and host bounds "
               "are null")  # fmt: skip
@@ -854,6 +984,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             name: {key: [repeat_value(r, key) for r in repeats_of] for key in REPEATED_KEYS}
             for name, repeats_of in (("plain", plain_repeats), ("clipped", clipped_repeats))
         },  # fmt: skip
+        "without_hypervisor_steal": without,
         "nvme_clipped": on_nvme,
         "nvme_block_bytes": NvmeConfig.model_fields["block_size"].default,
         "nvme_clipped_small_blocks": (

@@ -1,12 +1,18 @@
 """benchmarks/offload_overlap's arithmetic over its runs: the keys are medians over repeated
-runs, the table shows the median run, the host-side bound is min(1, B / (r U)), and the
-dependency bound leaves out the chunk group whose gradients are final last."""
+runs, the table shows the median run, the host-side bound is min(1, B / (r U)), the
+dependency bound leaves out the chunk group whose gradients are final last, and the
+hypervisor's steal is read per CPU and attributed per engine."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
+from benchmarks._steal import steal_between, steal_s
 from benchmarks.offload_overlap import (
+    StepSample,
+    ablation_over_repeats,
     build,
     combined_bound,
     host_bound,
@@ -14,7 +20,10 @@ from benchmarks.offload_overlap import (
     median_repeat,
     model_for,
     over_repeats,
+    steal_per_step,
     text_batches,
+    unhidden,
+    without_steal,
 )
 
 
@@ -79,3 +88,74 @@ def test_the_dependency_bound_leaves_out_the_group_final_last(tmp_path) -> None:
         assert 0 < share < 0.5
     finally:
         engine.close()
+
+
+STAT = """cpu  100 0 50 900 0 0 0 40 0 0
+cpu0 60 0 30 400 0 0 0 25 0 0
+cpu1 40 0 20 500 0 0 0 15 0 0
+intr 12345
+"""
+
+
+def test_steal_is_read_per_cpu_in_seconds(tmp_path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text(STAT)
+    tick = os.sysconf("SC_CLK_TCK")
+    assert steal_s((0, 1), str(stat)) == (25 / tick, 15 / tick)
+    assert steal_s((1,), str(stat)) == (15 / tick,)
+    assert steal_s((0, 2), str(stat)) is None  # a CPU the system does not list
+    assert steal_s((0,), str(tmp_path / "missing")) is None  # not Linux
+    assert steal_between((1.0, 2.0), (1.5, 2.25)) == (0.5, 0.25)
+    assert steal_between(None, (1.0,)) is None
+
+
+def sample(wall: float, cpu: float, steal: tuple[float, float] | None,
+           step_call: float) -> StepSample:  # fmt: skip
+    return StepSample(step_s=wall + step_call, forward_backward_s=wall, step_call_s=step_call,
+                      grad_norm=0.5, cpu_s=cpu, listener_cpu_s=0.002, backward_s=wall / 2,
+                      steal_forward_backward_s=steal,
+                      steal_step_call_s=None if steal is None else (0.0, 0.01))  # fmt: skip
+
+
+def test_the_compute_cores_steal_beyond_the_serial_engines_is_part_of_the_waiting() -> None:
+    # Overlapped: 30 ms not running in forward and backward, 20 of them stolen (in ticks of
+    # 10 ms: 30 and 10); serial: 5 ms not running, none stolen.
+    kept = [
+        (sample(0.130, 0.100, (0.030, 0.02), 0.005), sample(0.105, 0.100, (0.0, 0.0), 0.050)),
+        (sample(0.130, 0.100, (0.010, 0.00), 0.005), sample(0.105, 0.100, (0.0, 0.01), 0.050)),
+    ]
+    split = unhidden(kept)
+    assert split["engine_thread_waiting"] == pytest.approx(0.025)
+    assert split["engine_thread_waiting_hypervisor_steal"] == pytest.approx(0.020)
+    assert split["compute_slowdown"] == pytest.approx(-0.002)
+    steal = steal_per_step(kept)
+    assert steal is not None
+    assert steal["overlapped"]["forward_backward"] == pytest.approx(
+        {"compute_core": 0.020, "host_core": 0.010}
+    )
+    assert steal["serial"]["forward_backward"] == pytest.approx(
+        {"compute_core": 0.0, "host_core": 0.005}
+    )
+    assert steal["serial"]["step_call"] == pytest.approx({"compute_core": 0.0, "host_core": 0.01})
+    # The ablation takes each engine's mean steal on the core its thread ran on off its median
+    # step: overlapped 135 - 20 ms (nothing off its step()); serial 155 - 0 (forward and
+    # backward) - 10 (its step() on the host core), its forward and backward 105 - 0.
+    ablation = without_steal(kept)
+    assert ablation is not None
+    assert ablation["step_time_ratio"] == pytest.approx(0.115 / 0.145)
+    assert ablation["update_hidden_fraction"] == pytest.approx((0.145 - 0.115) / (0.145 - 0.105))
+    # Where the system does not count steal (a GPU's samples carry none): None, not zero.
+    unread = [(sample(0.130, 0.100, None, 0.005), sample(0.105, 0.100, None, 0.050))]
+    assert unhidden(unread)["engine_thread_waiting_hypervisor_steal"] is None
+    assert steal_per_step(unread) is None
+    assert without_steal(unread) is None
+
+
+def test_the_ablation_without_steal_is_a_median_over_the_repeats() -> None:
+    repeats = [{"without_hypervisor_steal": {"step_time_ratio": r, "update_hidden_fraction": h}}
+               for r, h in ((0.9, 0.3), (0.7, 0.8), (0.8, 0.5))]  # fmt: skip
+    assert ablation_over_repeats(repeats) == {
+        "step_time_ratio": 0.8,
+        "update_hidden_fraction": 0.5,
+    }
+    assert ablation_over_repeats([*repeats, {"without_hypervisor_steal": None}]) is None
