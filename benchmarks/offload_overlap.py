@@ -36,7 +36,9 @@ on such a VM. Each run reports the mean steal a step by engine, phase and core
 (``hypervisor_steal_s_per_step``), the compute core's steal beyond the serial engine's within
 the waiting time it attributes (``unhidden_s.engine_thread_waiting_hypervisor_steal``), and
 the hidden fraction and step-time ratio without it (``without_hypervisor_steal``, the
-ablation, medians over the repeats in ``details.without_hypervisor_steal``). The keys
+ablation, medians over the repeats in ``details.without_hypervisor_steal``). The interference
+probes record it too (``steal_s_alone`` / ``steal_s_beside``): the machine bound's windows,
+plain torch beside another process, have not met the steal the engines' pairs meet. The keys
 themselves are wall times, steal included, as a user of this machine would see them.
 
 [Note: the regime is measured] How much an overlap can hide depends on the host update's share
@@ -345,18 +347,26 @@ def load_loop(kind: str, core: str, *args: str) -> None:
 _LOAD = "import sys; from benchmarks.offload_overlap import load_loop; load_loop(*sys.argv[1:])"
 
 
-def slowdowns_beside(
-    measure_s: Callable[[], float], load: Sequence[str], rounds: int
-) -> list[float]:
+class Slowdowns(NamedTuple):
+    """``slowdowns_beside``'s rounds: the ratios beside / alone, and each window's hypervisor
+    steal (compute core, host core; None where not counted): whether the probe met the steal
+    the engines' pairs meet (see the note on steal)."""
+
+    ratios: list[float]
+    steal_alone_s: list[tuple[float, ...] | None]
+    steal_beside_s: list[tuple[float, ...] | None]
+
+
+def slowdowns_beside(measure_s: Callable[[], float], load: Sequence[str], rounds: int) -> Slowdowns:
     """``measure_s()`` alone and beside a load process (``load_loop``'s arguments), alternating
-    ``rounds`` times after a warm-up: the ratios beside / alone. The load runs in a process of
-    its own, so it holds no GIL of the benchmark's."""
+    ``rounds`` times after a warm-up. The load runs in a process of its own, so it holds no GIL
+    of the benchmark's."""
     command = [sys.executable, "-c", _LOAD, *load]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     measure_s()  # warm
-    ratios = []
+    result = Slowdowns([], [], [])
     for _ in range(rounds):
-        alone = measure_s()
+        alone, steal_alone = _with_steal(measure_s)
         process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
         try:
             assert process.stdout is not None
@@ -365,12 +375,21 @@ def slowdowns_beside(
                     f"the load {' '.join(load)} exited ({process.wait()}) before its loop ran: "
                     f"nothing to measure beside; its error is above"
                 )
-            beside = measure_s()
+            beside, steal_beside = _with_steal(measure_s)
         finally:
             process.kill()
             process.wait()
-        ratios.append(beside / alone)
-    return ratios
+        result.ratios.append(beside / alone)
+        result.steal_alone_s.append(steal_alone)
+        result.steal_beside_s.append(steal_beside)
+    return result
+
+
+def _with_steal(measure_s: Callable[[], float]) -> tuple[float, tuple[float, ...] | None]:
+    """``measure_s()`` and the hypervisor's steal on both cores while it ran."""
+    before = steal_s(CORES)
+    seconds = measure_s()
+    return seconds, steal_between(before, steal_s(CORES))
 
 
 def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, steps: int) -> dict:
@@ -391,9 +410,25 @@ def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, step
         return statistics.median(seconds)
 
     elements = sum(p.numel() for p in model.parameters())
-    ratios = slowdowns_beside(forward_backward_s, ["adam", str(HOST_CORE), str(elements)], rounds)
-    return {"ratio": statistics.median(ratios), "ratios": ratios, "tokens": tokens,
+    rounds_run = slowdowns_beside(
+        forward_backward_s, ["adam", str(HOST_CORE), str(elements)], rounds
+    )
+    return {"ratio": statistics.median(rounds_run.ratios), "ratios": rounds_run.ratios,
+            "steal_s_alone": rounds_run.steal_alone_s, "steal_s_beside": rounds_run.steal_beside_s,
+            "tokens": tokens,
             "host_load": "torch._fused_adamw_ over the model's elements, looping, host core"}  # fmt: skip
+
+
+def probe_steal(probe: dict) -> str:
+    """The compute core's steal over an interference probe's windows alone and beside, for its
+    line of the table ("" where not counted)."""
+    windows = (probe["steal_s_alone"], probe["steal_s_beside"])
+    if any(steal is None for readings in windows for steal in readings):
+        return ""
+    alone, beside = (1e3 * sum(steal[0] for steal in readings) for readings in windows)
+    return (
+        f" (the compute core's steal over its windows: {alone:.0f} ms alone, {beside:.0f} beside)"
+    )
 
 
 def host_slowdown_beside_compute(
@@ -413,12 +448,14 @@ def host_slowdown_beside_compute(
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {HOST_CORE})
     try:
-        ratios = slowdowns_beside(
+        rounds_run = slowdowns_beside(
             adam_s, ["compute", str(COMPUTE_CORE), str(tokens), dtype], rounds
         )
     finally:
         os.sched_setaffinity(0, affinity)
-    return {"ratio": statistics.median(ratios), "ratios": ratios, "tokens": tokens,
+    return {"ratio": statistics.median(rounds_run.ratios), "ratios": rounds_run.ratios,
+            "steal_s_alone": rounds_run.steal_alone_s, "steal_s_beside": rounds_run.steal_beside_s,
+            "tokens": tokens,
             "compute_load": f"the GPT's forward and backward ({precision}), looping, compute core"}  # fmt: skip
 
 
@@ -952,6 +989,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\nthe compute core's forward and backward beside a busy host core: "
             f"{interference['ratio']:.2f}x alone (a GPU does not slow down so): no overlap "
             f"can hide more than {1.0 / interference['ratio']:.2f} of the update here"
+            + probe_steal(interference)
         )
     if host_interference is not None:
         print(

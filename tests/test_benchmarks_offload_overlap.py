@@ -20,6 +20,7 @@ from benchmarks.offload_overlap import (
     median_repeat,
     model_for,
     over_repeats,
+    probe_steal,
     steal_per_step,
     text_batches,
     unhidden,
@@ -159,3 +160,12 @@ def test_the_ablation_without_steal_is_a_median_over_the_repeats() -> None:
         "update_hidden_fraction": 0.5,
     }
     assert ablation_over_repeats([*repeats, {"without_hypervisor_steal": None}]) is None
+
+
+def test_an_interference_probe_says_how_much_steal_its_windows_met() -> None:
+    probe = {"steal_s_alone": [(0.01, 0.0), (0.02, 0.05)],
+             "steal_s_beside": [(0.0, 0.01), (0.04, 0.0)]}  # fmt: skip
+    assert (
+        probe_steal(probe) == " (the compute core's steal over its windows: 30 ms alone, 40 beside)"
+    )
+    assert probe_steal({"steal_s_alone": [None], "steal_s_beside": [(0.0, 0.0)]}) == ""
