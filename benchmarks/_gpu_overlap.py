@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,9 +34,9 @@ from benchmarks.offload_overlap import (
     LOSS_SCALE,
     MIN_HOST_SHARE,
     ROLLBACK_EVERY,
-    StepSample,
     analyse,
     last_final_share,
+    one_step,
 )
 from chunkmem.models.gpt import GPT, GPTConfig
 
@@ -63,33 +62,6 @@ def build(model: GPT, device: dict[str, Any], overlap: bool, clip: float, thread
     )
 
 
-def timed_step(engine, x: torch.Tensor, y: torch.Tensor, scale: float, sync: Callable[[], None]):
-    """One step as ``benchmarks.offload_overlap.one_step`` samples it (what ``analyse`` reads;
-    no steal: a GPU's host is not an emulation's second vCPU), the device synchronized at
-    backward's end and the step's end."""
-    sync()
-    start = time.perf_counter()
-    cpu_start = time.thread_time()
-    loss = engine(x, y) * scale
-    forward_done = time.perf_counter()
-    engine.backward(loss)
-    sync()
-    backward_done = time.perf_counter()
-    cpu = time.thread_time() - cpu_start
-    engine.step()
-    sync()
-    end = time.perf_counter()
-    return StepSample(
-        step_s=end - start,
-        forward_backward_s=backward_done - start,
-        step_call_s=end - backward_done,
-        grad_norm=engine.last_grad_norm,
-        cpu_s=cpu,
-        listener_cpu_s=0.0,
-        backward_s=backward_done - forward_done,
-    )
-
-
 def batches(config: GPTConfig, rows: int, count: int, where: str) -> list[tuple]:
     """``count`` micro-batches of random tokens, ``rows`` x ``block_size``, on ``where``."""
     generator = torch.Generator().manual_seed(rows)
@@ -104,8 +76,9 @@ def host_share(model: GPT, config: GPTConfig, device: dict, rows: int, steps: in
     engine = build(model, device, False, 0.0, threads)
     try:
         samples = [
-            timed_step(engine, x, y, 1.0, sync) for x, y in batches(config, rows, 2 + steps, where)
-        ][2:]  # fmt: skip
+            one_step(engine, x, y, 1.0, False, sync)
+            for x, y in batches(config, rows, 2 + steps, where)
+        ][2:]
     finally:
         engine.close()
     return statistics.median(s[2] for s in samples) / statistics.median(s[0] for s in samples)
@@ -139,7 +112,7 @@ def run_pair(model: GPT, config: GPTConfig, device: dict, rows: int, steps: int,
             if clip and index >= warmup and index % ROLLBACK_EVERY == 0:
                 scale = FORCED_SCALE
             for name in ("serial", "overlapped") if index % 2 else ("overlapped", "serial"):
-                sample = timed_step(engines[name], x, y, scale, sync)
+                sample = one_step(engines[name], x, y, scale, False, sync)
                 if index >= warmup:
                     samples[name].append(sample)
         serial, overlapped = (engines[n].state_dict() for n in ("serial", "overlapped"))

@@ -274,23 +274,32 @@ class StepSample(NamedTuple):
     steal_step_call_s: tuple[float, ...] | None = None
 
 
-def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> StepSample:
-    """One step of ``engine``, timed (a serial engine's ``step()`` moved to the host core)."""
+def one_step(
+    engine, x, y, scale: float, serial_on_host_core: bool, sync: Callable[[], None] | None = None
+) -> StepSample:
+    """One step of ``engine``, timed (a serial engine's ``step()`` moved to the host core).
+    ``sync``: a device's, called before the step, at backward's end and at the step's end;
+    such a run reads no steal (a GPU's host is not the emulation's pair of vCPUs)."""
     engine.listener_cpu_s = 0.0
-    steal_start = steal_s(CORES)
+    wait = sync or (lambda: None)
+    read_steal = (lambda: None) if sync else functools.partial(steal_s, CORES)
+    wait()
+    steal_start = read_steal()
     start = time.perf_counter()
     cpu_start = time.thread_time()
     loss = engine(x, y) * scale
     forward_done = time.perf_counter()
     engine.backward(loss)
+    wait()
     backward_done = time.perf_counter()
     cpu = time.thread_time() - cpu_start
-    steal_backward_done = steal_s(CORES)
+    steal_backward_done = read_steal()
     if serial_on_host_core:
         os.sched_setaffinity(0, {HOST_CORE})
     engine.step()
     if serial_on_host_core:
         os.sched_setaffinity(0, {COMPUTE_CORE})
+    wait()
     end = time.perf_counter()
     return StepSample(
         step_s=end - start,
@@ -301,7 +310,7 @@ def one_step(engine, x, y, scale: float, serial_on_host_core: bool) -> StepSampl
         listener_cpu_s=engine.listener_cpu_s,
         backward_s=backward_done - forward_done,
         steal_forward_backward_s=steal_between(steal_start, steal_backward_done),
-        steal_step_call_s=steal_between(steal_backward_done, steal_s(CORES)),
+        steal_step_call_s=steal_between(steal_backward_done, read_steal()),
     )
 
 
@@ -958,13 +967,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     steal = clipped["hypervisor_steal_s_per_step"]
     if steal is not None:
+        ms = {name: {phase: {core: 1e3 * seconds for core, seconds in cores.items()}
+                     for phase, cores in phases.items()}
+              for name, phases in steal.items()}  # fmt: skip
         print(
             "\nhypervisor steal a step (clip 1.0, means; /proc/stat), compute core / host core: "
             + "; ".join(
-                f"{name} forward+backward {1e3 * steal[name]['forward_backward']['compute_core']:.1f}"
-                f" / {1e3 * steal[name]['forward_backward']['host_core']:.1f} ms, step() "
-                f"{1e3 * steal[name]['step_call']['compute_core']:.1f}"
-                f" / {1e3 * steal[name]['step_call']['host_core']:.1f} ms"
+                f"{name} forward+backward {ms[name]['forward_backward']['compute_core']:.1f} / "
+                f"{ms[name]['forward_backward']['host_core']:.1f} ms, step() "
+                f"{ms[name]['step_call']['compute_core']:.1f} / "
+                f"{ms[name]['step_call']['host_core']:.1f} ms"
                 for name in ("overlapped", "serial")
             )
         )

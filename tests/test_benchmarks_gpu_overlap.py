@@ -19,6 +19,9 @@ def test_the_gpu_overlap_runs_both_pairs_bit_identical_on_a_simulated_device(cap
     assert result["identical"] and all(result["identical_by_pair"].values())
     assert result["regime"]
     assert "unhidden_s" not in result["clipped"]  # not a measurement on a GPU
+    # Nor the emulation's vCPUs' steal: a device run reads none, and has no ablation without it.
+    assert result["clipped"]["hypervisor_steal_s_per_step"] is None
+    assert result["clipped"]["without_hypervisor_steal"] is None
     shares = result["host_update_share_by_rows"]
     fitting = [rows for rows, share in shares.items() if share >= MIN_HOST_SHARE]
     assert result["rows"] == (max(fitting) if fitting else min(shares))
