@@ -81,7 +81,9 @@ def host_share(model: GPT, config: GPTConfig, device: dict, rows: int, steps: in
         ][2:]
     finally:
         engine.close()
-    return statistics.median(s[2] for s in samples) / statistics.median(s[0] for s in samples)
+    return statistics.median(s.step_call_s for s in samples) / statistics.median(
+        s.step_s for s in samples
+    )
 
 
 def choose_rows(model: GPT, config: GPTConfig, device: dict, candidates: Sequence[int],
