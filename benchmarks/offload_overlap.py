@@ -639,6 +639,7 @@ def analyse(run: dict, clip: float) -> dict:
     t_serial = statistics.median(s.step_s for _o, s in kept)
     t_serial_fwd_bwd = statistics.median(s.forward_backward_s for _o, s in kept)
     t_over_fwd_bwd = statistics.median(o.forward_backward_s for o, _s in kept)
+    steal = steal_per_step(kept)
     blocks = [kept[i : i + BLOCK] for i in range(0, len(kept) - BLOCK + 1, BLOCK)]
     ratios = [
         statistics.median(o.step_s for o, _s in b) / statistics.median(s.step_s for _o, s in b)
@@ -658,9 +659,9 @@ def analyse(run: dict, clip: float) -> dict:
             "overlapped_forward_backward": t_over_fwd_bwd,
             "overlapped_step_call": statistics.median(o.step_call_s for o, _s in kept),
         },  # fmt: skip
-        "unhidden_s": unhidden(kept),
-        "hypervisor_steal_s_per_step": steal_per_step(kept),
-        "without_hypervisor_steal": without_steal(kept),
+        "unhidden_s": unhidden(kept, steal),
+        "hypervisor_steal_s_per_step": steal,
+        "without_hypervisor_steal": without_steal(kept, steal),
         "steps_measured": len(kept),
         "steps_clipped": len(fired),
         "update_hidden_fraction_dependency_bound": run["update_hidden_fraction_dependency_bound"],
@@ -720,7 +721,9 @@ def combined_bound(dependency: float, machine: float | None, host: float | None)
     return bound if host is None else min(bound, host)
 
 
-def unhidden(kept: list[tuple[StepSample, StepSample]]) -> dict[str, float | None]:
+def unhidden(
+    kept: list[tuple[StepSample, StepSample]], steal: dict[str, Any] | None
+) -> dict[str, float | None]:
     """Where the overlapped step's unhidden time goes (medians over step pairs, seconds):
     the engine thread's Python starting early updates in backward; the rest of its extra CPU
     time in forward and backward (the same work slowed by the host core beside it: shared
@@ -728,8 +731,7 @@ def unhidden(kept: list[tuple[StepSample, StepSample]]) -> dict[str, float | Non
     update it needs; or the hypervisor ran something else), and of that the hypervisor's steal
     on the compute core beyond the serial engine's (a difference of means: the counter moves in
     ticks; see the note on steal); and what ``step()`` still does (the last group's update,
-    never hidden)."""
-    steal = steal_per_step(kept)
+    never hidden). ``steal``: the pairs' :func:`steal_per_step`."""
     return {
         "engine_thread_early_updates": statistics.median(o.listener_cpu_s for o, _s in kept),
         "compute_slowdown": statistics.median(
@@ -765,14 +767,16 @@ def steal_per_step(kept: list[tuple[StepSample, StepSample]]) -> dict[str, Any] 
     return per_engine
 
 
-def without_steal(kept: list[tuple[StepSample, StepSample]]) -> dict[str, float] | None:
+def without_steal(
+    kept: list[tuple[StepSample, StepSample]], steal: dict[str, Any] | None
+) -> dict[str, float] | None:
     """The ablation without the machine's disadvantage (see the note on steal): the hidden
     fraction and step-time ratio from median step times less the mean steal on the core the
     engine thread ran on: the compute core in forward and backward (both engines), the host
     core in the serial ``step()``. Nothing is taken off the overlapped ``step()`` nor the host
     thread's steal in backward (both can delay the overlapped step), so the ablation leans
-    toward the serial engine. None where steal is not counted."""
-    steal = steal_per_step(kept)
+    toward the serial engine. ``steal``: the pairs' :func:`steal_per_step`; None where steal is
+    not counted (then this is None too)."""
     if steal is None:
         return None
     serial, overlapped = steal["serial"], steal["overlapped"]

@@ -125,12 +125,12 @@ def test_the_compute_cores_steal_beyond_the_serial_engines_is_part_of_the_waitin
         (sample(0.130, 0.100, (0.030, 0.02), 0.005), sample(0.105, 0.100, (0.0, 0.0), 0.050)),
         (sample(0.130, 0.100, (0.010, 0.00), 0.005), sample(0.105, 0.100, (0.0, 0.01), 0.050)),
     ]
-    split = unhidden(kept)
+    steal = steal_per_step(kept)
+    assert steal is not None
+    split = unhidden(kept, steal)
     assert split["engine_thread_waiting"] == pytest.approx(0.025)
     assert split["engine_thread_waiting_hypervisor_steal"] == pytest.approx(0.020)
     assert split["compute_slowdown"] == pytest.approx(-0.002)
-    steal = steal_per_step(kept)
-    assert steal is not None
     assert steal["overlapped"]["forward_backward"] == pytest.approx(
         {"compute_core": 0.020, "host_core": 0.010}
     )
@@ -141,15 +141,15 @@ def test_the_compute_cores_steal_beyond_the_serial_engines_is_part_of_the_waitin
     # The ablation takes each engine's mean steal on the core its thread ran on off its median
     # step: overlapped 135 - 20 ms (nothing off its step()); serial 155 - 0 (forward and
     # backward) - 10 (its step() on the host core), its forward and backward 105 - 0.
-    ablation = without_steal(kept)
+    ablation = without_steal(kept, steal)
     assert ablation is not None
     assert ablation["step_time_ratio"] == pytest.approx(0.115 / 0.145)
     assert ablation["update_hidden_fraction"] == pytest.approx((0.145 - 0.115) / (0.145 - 0.105))
     # Where the system does not count steal (a GPU's samples carry none): None, not zero.
     unread = [(sample(0.130, 0.100, None, 0.005), sample(0.105, 0.100, None, 0.050))]
-    assert unhidden(unread)["engine_thread_waiting_hypervisor_steal"] is None
     assert steal_per_step(unread) is None
-    assert without_steal(unread) is None
+    assert unhidden(unread, None)["engine_thread_waiting_hypervisor_steal"] is None
+    assert without_steal(unread, None) is None
 
 
 def test_the_ablation_without_steal_is_a_median_over_the_repeats() -> None:
