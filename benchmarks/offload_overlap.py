@@ -16,7 +16,16 @@ and undone when clipping fires; every step of both engines must stay bit-identic
 backward run on core 0 (torch threads = 1, the main thread pinned there), as a GPU would run
 them, and the host optimizer runs with 1 thread on core 1, as the host would. The serial
 engine's ``step()`` moves the main thread to core 1 for the update and back, so both engines
-update on the same core with the same thread count. The two cores share memory bandwidth and
+update on the same core with the same thread count. Every other thread the engines start is
+host work too (the host optimizer's, the NVMe tier's I/O threads) and runs on core 1: a thread
+starts on the cores of the thread that starts it, and the library starts these when they are
+first needed, in backward for the overlapped engine, so the benchmark moves every thread but
+the main one to core 1 before each step (:func:`keep_host_threads_on_host_core`). Until it
+did, the overlapped engine's NVMe threads ran on the compute core (started in its backward)
+and the serial engine's on the host core (started in its ``step()``): in a probe interleaving
+the serial engine and two overlapped ones step by step (30 steps, twice), the overlapped NVMe
+step took 918 and 813 ms with its I/O threads on the compute core and 703 and 611 with them
+on the host core, the serial one 655 and 602. The two cores share memory bandwidth and
 caches, which a GPU and its host do not.
 
 The emulation's limit: the two cores are not a GPU and a host. On a 2-vCPU VM they may share
@@ -125,10 +134,11 @@ same width hides more (GPT-2 small has 12 blocks, a 7B 32, a 70B 80). The full r
 the engines on DEEPER_N_LAYER blocks, plain and clipped, once each, at the same tokens per step
 (``details.deeper_model``), to show how much of the unhidden update is that share.
 
-[Note: NVMe] Each block of a transfer is one job of the tier's I/O threads, and a write copies
-its blocks into four shared buffers on the calling thread: the engine's, which in an overlapped
-step writes each group's states back in backward, so at any block size the overlapped NVMe step
-is slower than the serial one here. The NVMe runs use the tier's default block
+[Note: NVMe] Each block of a transfer is one job of the tier's I/O threads (on the host core,
+see the note on emulation), and a write copies its blocks into four shared buffers on the
+calling thread: the engine's, which in an overlapped step writes each group's states back in
+backward (the copies and the waits for a free buffer lengthen backward), so at any block size
+the overlapped NVMe step has not been faster than the serial one here. The NVMe runs use the tier's default block
 (``offload.nvme.block_size``, 4 MiB: what a user gets). Runs until this note used 64 KiB
 blocks, about 11,600 jobs a step and steps about four times as long (2.4 s against 0.64 s);
 the full run keeps that setting as the ablation (``details.nvme_clipped_small_blocks``,
@@ -145,6 +155,7 @@ the other kind forced (``details.row_stores.clipped_with_the_other_kind``, the a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -153,6 +164,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -211,7 +223,7 @@ def block_elements(model: GPT) -> int:
     return sum(p.numel() for p in model.blocks[0].parameters())
 
 
-def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str, precision: str,
+def build(model, overlap: bool, clip: float, where: str, path: str, precision: str,
           chunk_size: int | str | None = None, nvme_block: int | None = None):  # fmt: skip
     """An engine on a copy of ``model``; ``chunk_size`` None: one block per chunk;
     ``nvme_block`` None: the NVMe tier's default block size (see the note on NVMe)."""
@@ -228,13 +240,21 @@ def build(model, overlap: bool, pinned: bool, clip: float, where: str, path: str
                         "nvme": nvme},
         },
     )  # fmt: skip
-    if overlap and pinned:
-        engine.reducer.listener.run_on_host_thread(
-            lambda: os.sched_setaffinity(0, {HOST_CORE})
-        ).result()
     if overlap:
         time_listener(engine)
     return engine
+
+
+def keep_host_threads_on_host_core() -> None:
+    """Every thread but the main one on the host core (see the note on emulation): the host
+    optimizer's and the NVMe tier's I/O threads, which the library starts when first needed and
+    which start on the cores of the thread that starts them (the compute core, in backward)."""
+    main = threading.main_thread()
+    for thread in threading.enumerate():
+        if thread is main or thread.native_id is None:
+            continue
+        with contextlib.suppress(ProcessLookupError):  # it ended since it was listed
+            os.sched_setaffinity(thread.native_id, {HOST_CORE})
 
 
 def time_listener(engine) -> None:
@@ -511,9 +531,7 @@ def choose_precision(pinned: bool, path: str, steps: int) -> dict[str, Any]:
     engines = {}
     try:
         for precision in PRECISIONS:
-            engines[precision] = build(
-                model, False, pinned, 0.0, "host", f"{path}/{precision}", precision
-            )
+            engines[precision] = build(model, False, 0.0, "host", f"{path}/{precision}", precision)
         for index, (x, y) in enumerate(text_batches(tokens, 2 + steps)):
             for precision in PRECISIONS if index % 2 else PRECISIONS[::-1]:
                 sample = one_step(engines[precision], x, y, 1.0, pinned)
@@ -541,7 +559,7 @@ def choose_tokens(
     of the serial step (measured over ``steps`` steps after two), and the share at each."""
     shares: dict[int, float] = {}
     for tokens in sizes:
-        engine = build(model_for(tokens), False, pinned, 0.0, "host", path, precision)
+        engine = build(model_for(tokens), False, 0.0, "host", path, precision)
         samples = [
             one_step(engine, x, y, 1.0, pinned) for x, y in text_batches(tokens, 2 + steps)
         ][2:]  # fmt: skip
@@ -561,7 +579,7 @@ def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, cli
     """Both engines, step by step in alternating order; per-step samples and bit-identity."""
     engines = {
         name: build(
-            model, overlap, pinned, clip, where, f"{path}/{name}", precision, chunk_size, nvme_block
+            model, overlap, clip, where, f"{path}/{name}", precision, chunk_size, nvme_block
         )
         for name, overlap in (("serial", False), ("overlapped", True))
     }
@@ -573,6 +591,8 @@ def run_pair(model: GPT, tokens: int, steps: int, warmup: int, pinned: bool, cli
             scale = 1e4  # clipping fires
         order = ("serial", "overlapped") if index % 2 else ("overlapped", "serial")
         for name in order:
+            if pinned:
+                keep_host_threads_on_host_core()
             sample = one_step(engines[name], x, y, scale, pinned and name == "serial")
             if index >= warmup:
                 samples[name].append(sample)

@@ -22,8 +22,7 @@ refuses and asks for ``engine.step()``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 
 from chunkmem.chunk import ChunkLayout
 from chunkmem.config import Config, speculative_reasons
@@ -112,10 +111,6 @@ class OverlappedStep:
             not update.finished and not states.home(update.layout).addressable
             for update in self.optimizer.launched.values()
         )
-
-    def run_on_host_thread(self, fn: Callable[[], object]) -> Future:
-        """Run ``fn`` on the thread the updates run on (e.g. to pin it to a core)."""
-        return self._executor.submit(fn)
 
     def _next_after(self, index: int) -> ChunkLayout | None:
         """The layout whose gradients were final after ``index``'s last cycle, if it is not

@@ -6,16 +6,20 @@ hypervisor's steal is read per CPU and attributed per engine."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
 from benchmarks._steal import steal_between, steal_s
 from benchmarks.offload_overlap import (
+    COMPUTE_CORE,
+    HOST_CORE,
     StepSample,
     ablation_over_repeats,
     build,
     combined_bound,
     host_bound,
+    keep_host_threads_on_host_core,
     last_final_share,
     median_repeat,
     model_for,
@@ -70,7 +74,7 @@ def test_the_combined_bound_is_dependency_times_machine_under_the_host_bound() -
 
 
 def test_the_dependency_bound_leaves_out_the_group_final_last(tmp_path) -> None:
-    engine = build(model_for(16, n_layer=2), True, False, 0.0, "host", str(tmp_path), "fp32")
+    engine = build(model_for(16, n_layer=2), True, 0.0, "host", str(tmp_path), "fp32")
     try:
         finals = []
         listener = engine.reducer.listener
@@ -169,3 +173,35 @@ def test_an_interference_probe_says_how_much_steal_its_windows_met() -> None:
         probe_steal(probe) == " (the compute core's steal over its windows: 30 ms alone, 40 beside)"
     )
     assert probe_steal({"steal_s_alone": [None], "steal_s_beside": [(0.0, 0.0)]}) == ""
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity")
+    or not {COMPUTE_CORE, HOST_CORE} <= os.sched_getaffinity(0),
+    reason="needs the two cores the emulation pins to",
+)
+def test_threads_the_library_starts_on_the_compute_core_move_to_the_host_core() -> None:
+    # A thread starts on its starter's cores: one started from the pinned main thread in
+    # backward (the NVMe tier's I/O threads) would run beside the compute.
+    main_cores = os.sched_getaffinity(0)
+    started, release = threading.Event(), threading.Event()
+    cores: list[set[int]] = []
+
+    def worker() -> None:
+        started.set()
+        release.wait()
+        cores.append(os.sched_getaffinity(0))
+
+    os.sched_setaffinity(0, {COMPUTE_CORE})
+    try:
+        thread = threading.Thread(target=worker)
+        thread.start()
+        started.wait()
+        assert os.sched_getaffinity(thread.native_id) == {COMPUTE_CORE}
+        keep_host_threads_on_host_core()
+        assert os.sched_getaffinity(0) == {COMPUTE_CORE}  # the main thread stays where it is
+        release.set()
+        thread.join()
+    finally:
+        os.sched_setaffinity(0, main_cores)
+    assert cores == [{HOST_CORE}]
