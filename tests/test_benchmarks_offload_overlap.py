@@ -5,6 +5,7 @@ hypervisor's steal is read per CPU and attributed per engine."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -184,6 +185,9 @@ def test_threads_the_library_starts_on_the_compute_core_move_to_the_host_core() 
     # A thread starts on its starter's cores: one started from the pinned main thread in
     # backward (the NVMe tier's I/O threads) would run beside the compute.
     main_cores = os.sched_getaffinity(0)
+    # The sweep moves every thread of this process (a test runner's too): each goes back after.
+    others = {t.native_id: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
+              if t is not threading.main_thread() and t.native_id is not None}  # fmt: skip
     started, release = threading.Event(), threading.Event()
     cores: list[set[int]] = []
 
@@ -204,4 +208,7 @@ def test_threads_the_library_starts_on_the_compute_core_move_to_the_host_core() 
         thread.join()
     finally:
         os.sched_setaffinity(0, main_cores)
+        for native_id, affinity in others.items():
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(native_id, affinity)
     assert cores == [{HOST_CORE}]
