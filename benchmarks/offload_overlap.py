@@ -45,7 +45,10 @@ on such a VM. Each run reports the mean steal a step by engine, phase and core
 (``hypervisor_steal_s_per_step``), the compute core's steal beyond the serial engine's within
 the waiting time it attributes (``unhidden_s.engine_thread_waiting_hypervisor_steal``), and
 the hidden fraction and step-time ratio without it (``without_hypervisor_steal``, the
-ablation, medians over the repeats in ``details.without_hypervisor_steal``). The interference
+ablation, medians over the repeats in ``details.without_hypervisor_steal``), and the most any
+overlap could have hidden beside that steal (``details.bounds_at_the_hours_steal``: the
+combined bound less the steal beyond the serial engine's as a share of the update, per repeat,
+with the step-time ratio it allows): whether the hour let a goal be met at all. The interference
 probes record it too (``steal_s_alone`` / ``steal_s_beside``): the machine bound's windows,
 plain torch beside another process, have not met the steal the engines' pairs meet. The keys
 themselves are wall times, steal included, as a user of this machine would see them.
@@ -741,6 +744,57 @@ def combined_bound(dependency: float, machine: float | None, host: float | None)
     return bound if host is None else min(bound, host)
 
 
+def bound_at_steal(
+    analysis: dict, machine: float | None, host_interference: dict | None
+) -> dict[str, float] | None:
+    """The most any overlap could have hidden in this repeat's hour, and the step-time ratio
+    that allows: the combined bound (dependency, machine, host: :func:`combined_bound`) less
+    the compute core's hypervisor steal in forward and backward beyond the serial engine's, as
+    a share of the update (see the note on steal). All three bounds and the steal are measured
+    outside the engine (the model's structure, plain torch beside a load, /proc/stat); the
+    steal's window is the engines' steps, on the assumption that any overlap keeps the host
+    core busy through backward as this one does, and so meets the steal it met. None where
+    a bound or the steal was not measured (a quick run, not pinned, no steal counter)."""
+    steal, steps = analysis.get("hypervisor_steal_s_per_step"), analysis.get("median_step_s")
+    if steal is None or not steps:
+        return None
+    bound = combined_bound(
+        analysis["update_hidden_fraction_dependency_bound"],
+        machine,
+        host_bound(analysis, host_interference),
+    )
+    if bound is None:
+        return None
+    update = steps["serial"] - steps["serial_forward_backward"]
+    beyond = (
+        steal["overlapped"]["forward_backward"]["compute_core"]
+        - steal["serial"]["forward_backward"]["compute_core"]
+    )
+    hidden = bound - beyond / update
+    return {
+        "update_hidden_fraction": hidden,
+        "step_time_ratio": 1.0 - hidden * update / steps["serial"],
+    }
+
+
+def bounds_at_steal_over_repeats(
+    analyses: list[dict], machine: float | None, host_interference: dict | None
+) -> dict[str, dict[str, Any]] | None:
+    """:func:`bound_at_steal` of each repeat and their median, by key (None where a repeat has
+    none)."""
+    bounds = [bound_at_steal(a, machine, host_interference) for a in analyses]
+    measured = [bound for bound in bounds if bound is not None]
+    if not bounds or len(measured) < len(bounds):
+        return None
+    return {
+        key: {
+            "repeats": [bound[key] for bound in measured],
+            "median": statistics.median(bound[key] for bound in measured),
+        }
+        for key in ("update_hidden_fraction", "step_time_ratio")
+    }
+
+
 def unhidden(
     kept: list[tuple[StepSample, StepSample]], steal: dict[str, Any] | None
 ) -> dict[str, float | None]:
@@ -940,6 +994,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics["update_hidden_fraction_machine_bound"],
         metrics["update_hidden_fraction_host_bound"],
     )
+    at_steal = {
+        name: bounds_at_steal_over_repeats(
+            analyses, metrics["update_hidden_fraction_machine_bound"], host_interference
+        )
+        for name, analyses in (("plain", plain_repeats), ("clipped", clipped_repeats))
+    }
     print(
         f"GPT {N_LAYER}x512, {precision}, {block_elements(model):,} elements a chunk (a block), {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
         f"serial step; shares measured: {', '.join(f'{t}: {s:.2f}' for t, s in shares.items())})"
@@ -1042,6 +1102,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"no overlap can hide more than {bound:.2f} of the update here, nor bring the step "
             f"under {ratio_bound:.3f} of the serial one (host update {share:.2f} of it, plain)"
         )
+    if at_steal["plain"] is not None and at_steal["clipped"] is not None:
+        print(
+            "with the compute core's steal beyond the serial engine's (the hour's: see the note "
+            "on steal), no overlap could have hidden more than "
+            + "; ".join(
+                f"{at_steal[name]['update_hidden_fraction']['median']:.2f} {name} (step-time "
+                f"ratio {at_steal[name]['step_time_ratio']['median']:.3f})"
+                for name in ("plain", "clipped")
+            )
+            + " (medians over the repeats)"
+        )
     print(f"\n{json.dumps(metrics, indent=1)}\nbit-identical: {identical}")
     details = {
         "precision": calibration,
@@ -1056,6 +1127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name, repeats_of in (("plain", plain_repeats), ("clipped", clipped_repeats))
         },  # fmt: skip
         "without_hypervisor_steal": without,
+        "bounds_at_the_hours_steal": at_steal,
         "nvme_clipped": on_nvme,
         "nvme_block_bytes": NvmeConfig.model_fields["block_size"].default,
         "nvme_clipped_small_blocks": (

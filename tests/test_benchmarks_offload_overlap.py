@@ -17,6 +17,8 @@ from benchmarks.offload_overlap import (
     HOST_CORE,
     StepSample,
     ablation_over_repeats,
+    bound_at_steal,
+    bounds_at_steal_over_repeats,
     build,
     combined_bound,
     host_bound,
@@ -72,6 +74,48 @@ def test_the_combined_bound_is_dependency_times_machine_under_the_host_bound() -
     assert combined_bound(0.9, 0.8, 1.0) == pytest.approx(0.72)
     assert combined_bound(0.9, 0.8, 0.6) == 0.6  # the host core is the tighter limit
     assert combined_bound(0.9, None, 0.6) is None  # the machine bound was not measured
+
+
+def stolen(overlapped_s: float, serial_s: float) -> dict:
+    """An analysis whose engines met these mean steals on the compute core in forward and
+    backward (update U = 30 ms, backward B = 45 ms, serial step 100 ms, dependency bound 0.9)."""
+    run = analysis(0.85, 0.4)
+    run["update_hidden_fraction_dependency_bound"] = 0.9
+    run["hypervisor_steal_s_per_step"] = {
+        name: {"forward_backward": {"compute_core": seconds, "host_core": 0.0}}
+        for name, seconds in (("overlapped", overlapped_s), ("serial", serial_s))
+    }
+    return run
+
+
+def test_the_bound_at_the_hours_steal_takes_the_steal_beyond_the_serial_engines_off() -> None:
+    # Combined bound 0.9 x 0.8 = 0.72 (the host bound min(1, 45 / (1.2 x 30)) = 1); 6 ms of
+    # steal beyond the serial engine's is 0.2 of the 30 ms update: 0.52 at most, and the step
+    # at least 1 - 0.52 x 30 / 100 of the serial one.
+    bound = bound_at_steal(stolen(0.008, 0.002), 0.8, {"ratio": 1.2})
+    assert bound is not None
+    assert bound["update_hidden_fraction"] == pytest.approx(0.52)
+    assert bound["step_time_ratio"] == pytest.approx(1.0 - 0.52 * 0.3)
+    # The host core the tighter limit: min(1, 45 / (2.5 x 30)) = 0.6, less the same 0.2.
+    host_limited = bound_at_steal(stolen(0.008, 0.002), 0.8, {"ratio": 2.5})
+    assert host_limited is not None
+    assert host_limited["update_hidden_fraction"] == pytest.approx(0.4)
+    # The serial engine met more steal: its step was longer, so the bound is higher.
+    assert bound_at_steal(stolen(0.0, 0.003), 0.8, None)["update_hidden_fraction"] == (  # type: ignore[index]
+        pytest.approx(0.82)
+    )
+    # Not measured: no machine bound (a quick run), no steal counter, no kept steps.
+    assert bound_at_steal(stolen(0.008, 0.002), None, None) is None
+    unread = stolen(0.0, 0.0)
+    unread["hypervisor_steal_s_per_step"] = None
+    assert bound_at_steal(unread, 0.8, None) is None
+    repeats = [stolen(0.008, 0.002), stolen(0.002, 0.002), stolen(0.014, 0.002)]
+    over = bounds_at_steal_over_repeats(repeats, 0.8, None)
+    assert over is not None
+    assert over["update_hidden_fraction"]["repeats"] == pytest.approx([0.52, 0.72, 0.32])
+    assert over["update_hidden_fraction"]["median"] == pytest.approx(0.52)
+    assert over["step_time_ratio"]["median"] == pytest.approx(1.0 - 0.52 * 0.3)
+    assert bounds_at_steal_over_repeats([*repeats, unread], 0.8, None) is None
 
 
 def test_the_dependency_bound_leaves_out_the_group_final_last(tmp_path) -> None:
