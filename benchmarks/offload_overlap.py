@@ -33,8 +33,9 @@ a physical core's execution units (an AVX2 EPYC VM: a 512x512 matrix product too
 beside another on the second vCPU, 1.2x beside a Python loop), so any work on the host core,
 the overlapped update included, slows the forward and backward it overlaps. The benchmark
 measures that slowdown (``details.emulation.compute_slowdown_beside_host_load``: forward and
-backward in plain torch, alone and beside an Adam loop in another process on the host core)
-so that a reader can tell the overlap's cost from the machine's.
+backward in plain torch in the engines' precision, alone and beside an Adam loop in another
+process on the host core; in fp32 whatever the engines' precision until ``1558937``) so that a
+reader can tell the overlap's cost from the machine's.
 
 [Note: steal] A hypervisor may run something else on a vCPU at any time; the guest counts
 that time per CPU (``benchmarks/_steal.py``, from /proc/stat, outside the engine). On the Ice
@@ -207,6 +208,7 @@ CALIBRATION_TOKENS = 16  # the precision calibration's micro-batch (see its note
 MIN_HOST_SHARE = 0.3
 CLIP = 1.0
 PRECISIONS = ("fp32", "bf16")
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}  # torch's, by the config's precision
 BF16_AT_SPEED_MAX_RATIO = 2.0
 # The loss is scaled by this much in the clipped runs: a micro-batch of a few hundred tokens
 # has gradient norms of 2-18 where a settled large-batch run sits below 1, and Adam's update
@@ -424,12 +426,22 @@ def _with_steal(measure_s: Callable[[], float]) -> tuple[float, tuple[float, ...
     return seconds, steal_between(before, steal_s(CORES))
 
 
-def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, steps: int) -> dict:
+def in_precision(model: GPT, precision: str) -> GPT:
+    """A copy of ``model`` in the engines' ``precision``: what a plain-torch probe computes
+    with, so that it slows as the engines' forward and backward do (the bf16 one slowed 1.12x
+    beside the Adam loop where the fp32 one slowed 1.08-1.11x, on the Ice Lake VM)."""
+    return copy.deepcopy(model).to(getattr(torch, DTYPE_NAMES[precision]))
+
+
+def compute_slowdown_beside_host_load(
+    model: GPT, tokens: int, precision: str, rounds: int, steps: int
+) -> dict:
     """How much a busy host core slows the compute core on this machine: forward and backward
-    of ``model`` in plain torch on the compute core, alone and beside an Adam loop on the host
-    core, alternating ``rounds`` times; the median of the paired ratios. A GPU and its host do
-    not share execution units or a memory bus; two vCPUs may (see the note on emulation)."""
-    model = copy.deepcopy(model)
+    of ``model`` in plain torch in the engines' ``precision`` on the compute core, alone and
+    beside an Adam loop on the host core, alternating ``rounds`` times; the median of the
+    paired ratios. A GPU and its host do not share execution units or a memory bus; two vCPUs
+    may (see the note on emulation)."""
+    model = in_precision(model, precision)
     batches = text_batches(tokens, steps)
 
     def forward_backward_s() -> float:
@@ -447,7 +459,7 @@ def compute_slowdown_beside_host_load(model: GPT, tokens: int, rounds: int, step
     )
     return {"ratio": statistics.median(rounds_run.ratios), "ratios": rounds_run.ratios,
             "steal_s_alone": rounds_run.steal_alone_s, "steal_s_beside": rounds_run.steal_beside_s,
-            "tokens": tokens,
+            "tokens": tokens, "precision": precision,
             "host_load": "torch._fused_adamw_ over the model's elements, looping, host core"}  # fmt: skip
 
 
@@ -476,7 +488,7 @@ def host_slowdown_beside_compute(
     def adam_s() -> float:  # slowdowns_beside warms it once
         return median_seconds({"adam": adam.step}, repeats=iterations, warmup=0)["adam"]
 
-    dtype = {"bf16": "bfloat16", "fp32": "float32"}[precision]
+    dtype = DTYPE_NAMES[precision]
     affinity = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {HOST_CORE})
     try:
@@ -923,7 +935,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         }  # fmt: skip
         probing = pinned and probe_rounds > 0
         interference = (
-            compute_slowdown_beside_host_load(model, tokens, probe_rounds, 6) if probing else None
+            compute_slowdown_beside_host_load(model, tokens, precision, probe_rounds, 6)
+            if probing
+            else None
         )
         host_interference = (
             host_slowdown_beside_compute(model, tokens, precision, probe_rounds, 10)

@@ -10,6 +10,7 @@ import os
 import threading
 
 import pytest
+import torch
 
 from benchmarks._steal import steal_between, steal_s
 from benchmarks.offload_overlap import (
@@ -22,6 +23,7 @@ from benchmarks.offload_overlap import (
     build,
     combined_bound,
     host_bound,
+    in_precision,
     keep_host_threads_on_host_core,
     last_final_share,
     median_repeat,
@@ -116,6 +118,14 @@ def test_the_bound_at_the_hours_steal_takes_the_steal_beyond_the_serial_engines_
     assert over["update_hidden_fraction"]["median"] == pytest.approx(0.52)
     assert over["step_time_ratio"]["median"] == pytest.approx(1.0 - 0.52 * 0.3)
     assert bounds_at_steal_over_repeats([*repeats, unread], 0.8, None) is None
+
+
+def test_the_plain_torch_probes_compute_in_the_engines_precision() -> None:
+    model = model_for(2)
+    probed = in_precision(model, "bf16")
+    assert {p.dtype for p in probed.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # a copy: the runs' own
+    assert {p.dtype for p in in_precision(model, "fp32").parameters()} == {torch.float32}
 
 
 def test_the_dependency_bound_leaves_out_the_group_final_last(tmp_path) -> None:
