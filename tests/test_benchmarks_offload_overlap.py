@@ -111,6 +111,8 @@ def test_the_bound_at_the_hours_steal_takes_the_steal_beyond_the_serial_engines_
     unread = stolen(0.0, 0.0)
     unread["hypervisor_steal_s_per_step"] = None
     assert bound_at_steal(unread, 0.8, None) is None
+    nothing_kept = {"median_step_s": None, "update_hidden_fraction_dependency_bound": 0.9}
+    assert bound_at_steal(nothing_kept, 0.8, None) is None  # every step clipped
     repeats = [stolen(0.008, 0.002), stolen(0.002, 0.002), stolen(0.014, 0.002)]
     over = bounds_at_steal_over_repeats(repeats, 0.8, None)
     assert over is not None
