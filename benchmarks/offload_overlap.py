@@ -34,7 +34,7 @@ beside another on the second vCPU, 1.2x beside a Python loop), so any work on th
 the overlapped update included, slows the forward and backward it overlaps. The benchmark
 measures that slowdown (``details.emulation.compute_slowdown_beside_host_load``: forward and
 backward in plain torch in the engines' precision, alone and beside an Adam loop in another
-process on the host core; in fp32 whatever the engines' precision until ``1558937``) so that a
+process on the host core; in fp32 whatever the engines' precision through ``1558937``) so that a
 reader can tell the overlap's cost from the machine's.
 
 [Note: steal] A hypervisor may run something else on a vCPU at any time; the guest counts
@@ -428,8 +428,7 @@ def _with_steal(measure_s: Callable[[], float]) -> tuple[float, tuple[float, ...
 
 def in_precision(model: GPT, precision: str) -> GPT:
     """A copy of ``model`` in the engines' ``precision``: what a plain-torch probe computes
-    with, so that it slows as the engines' forward and backward do (the bf16 one slowed 1.12x
-    beside the Adam loop where the fp32 one slowed 1.08-1.11x, on the Ice Lake VM)."""
+    with, so that the bound it gives is measured on the forward and backward it bounds."""
     return copy.deepcopy(model).to(getattr(torch, DTYPE_NAMES[precision]))
 
 
@@ -499,7 +498,7 @@ def host_slowdown_beside_compute(
         os.sched_setaffinity(0, affinity)
     return {"ratio": statistics.median(rounds_run.ratios), "ratios": rounds_run.ratios,
             "steal_s_alone": rounds_run.steal_alone_s, "steal_s_beside": rounds_run.steal_beside_s,
-            "tokens": tokens,
+            "tokens": tokens, "precision": precision,
             "compute_load": f"the GPT's forward and backward ({precision}), looping, compute core"}  # fmt: skip
 
 
@@ -743,8 +742,13 @@ def host_bound(analysis: dict, host_interference: dict | None) -> float | None:
     steps = analysis["median_step_s"]
     if host_interference is None or not steps:
         return None
-    update = steps["serial"] - steps["serial_forward_backward"]
-    return min(1.0, steps["serial_backward"] / (host_interference["ratio"] * update))
+    return min(1.0, steps["serial_backward"] / (host_interference["ratio"] * update_s(steps)))
+
+
+def update_s(steps: dict[str, float]) -> float:
+    """The serial update U of an analysis' median step times: the serial step less its
+    forward and backward."""
+    return steps["serial"] - steps["serial_forward_backward"]
 
 
 def combined_bound(dependency: float, machine: float | None, host: float | None) -> float | None:
@@ -761,39 +765,38 @@ def bound_at_steal(
 ) -> dict[str, float] | None:
     """The most any overlap could have hidden in this repeat's hour, and the step-time ratio
     that allows: the combined bound (dependency, machine, host: :func:`combined_bound`) less
-    the compute core's hypervisor steal in forward and backward beyond the serial engine's, as
-    a share of the update (see the note on steal). All three bounds and the steal are measured
-    outside the engine (the model's structure, plain torch beside a load, /proc/stat); the
-    steal's window is the engines' steps, on the assumption that any overlap keeps the host
-    core busy through backward as this one does, and so meets the steal it met. None where
-    a bound or the steal was not measured (a quick run, not pinned, no steal counter)."""
-    steal, steps = analysis.get("hypervisor_steal_s_per_step"), analysis.get("median_step_s")
-    if steal is None or not steps:
+    the compute core's hypervisor steal in forward and backward beyond the serial engine's
+    (``unhidden_s.engine_thread_waiting_hypervisor_steal``), as a share of the update (see the
+    note on steal). None of it is the overlapped engine's own measure: the model's structure,
+    plain torch beside a load, the serial engine's times, /proc/stat. The steal's window is the
+    overlapped engine's forward and backward, on the assumption that any overlap keeps the host
+    core busy through a backward as long as this one's, and so meets the steal it met (a mean
+    over the steps: the counter moves in ticks). Where the serial engine met more, the bound
+    rises, as the measured share does. None where a bound or the steal was not measured (a
+    quick run, not pinned, no steal counter) or no step was kept (clipping fired on all)."""
+    steps = analysis.get("median_step_s")
+    if not steps:
         return None
+    beyond = analysis["unhidden_s"]["engine_thread_waiting_hypervisor_steal"]
     bound = combined_bound(
         analysis["update_hidden_fraction_dependency_bound"],
         machine,
         host_bound(analysis, host_interference),
     )
-    if bound is None:
+    if beyond is None or bound is None:
         return None
-    update = steps["serial"] - steps["serial_forward_backward"]
-    beyond = (
-        steal["overlapped"]["forward_backward"]["compute_core"]
-        - steal["serial"]["forward_backward"]["compute_core"]
-    )
-    hidden = bound - beyond / update
+    hidden = bound - beyond / update_s(steps)
     return {
         "update_hidden_fraction": hidden,
-        "step_time_ratio": 1.0 - hidden * update / steps["serial"],
+        "step_time_ratio": 1.0 - hidden * analysis["host_update_share_of_serial_step"],
     }
 
 
 def bounds_at_steal_over_repeats(
     analyses: list[dict], machine: float | None, host_interference: dict | None
 ) -> dict[str, dict[str, Any]] | None:
-    """:func:`bound_at_steal` of each repeat and their median, by key (None where a repeat has
-    none)."""
+    """:func:`bound_at_steal` of each repeat, and each key's median over the repeats on its
+    own (the two medians may come from different repeats); None where a repeat has none."""
     bounds = [bound_at_steal(a, machine, host_interference) for a in analyses]
     measured = [bound for bound in bounds if bound is not None]
     if not bounds or len(measured) < len(bounds):
@@ -1120,12 +1123,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             "with the compute core's steal beyond the serial engine's (the hour's: see the note "
             "on steal), no overlap could have hidden more than "
-            + "; ".join(
-                f"{at_steal[name]['update_hidden_fraction']['median']:.2f} {name} (step-time "
-                f"ratio {at_steal[name]['step_time_ratio']['median']:.3f})"
-                for name in ("plain", "clipped")
+            + " / ".join(
+                f"{at_steal[name]['update_hidden_fraction']['median']:.2f}" for name in at_steal
             )
-            + " (medians over the repeats)"
+            + " of the update (plain / clipped), nor brought the step under "
+            + " / ".join(f"{at_steal[name]['step_time_ratio']['median']:.3f}" for name in at_steal)
+            + " of the serial one (each the median over the repeats on its own)"
         )
     print(f"\n{json.dumps(metrics, indent=1)}\nbit-identical: {identical}")
     details = {

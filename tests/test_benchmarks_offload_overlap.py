@@ -78,22 +78,21 @@ def test_the_combined_bound_is_dependency_times_machine_under_the_host_bound() -
     assert combined_bound(0.9, None, 0.6) is None  # the machine bound was not measured
 
 
-def stolen(overlapped_s: float, serial_s: float) -> dict:
-    """An analysis whose engines met these mean steals on the compute core in forward and
-    backward (update U = 30 ms, backward B = 45 ms, serial step 100 ms, dependency bound 0.9)."""
+def stolen(overlapped_s: float, serial_s: float, share: float = 0.3) -> dict:
+    """An analysis whose overlapped engine met ``overlapped_s - serial_s`` more steal a step on
+    the compute core in forward and backward than the serial one (update U = 30 ms, backward
+    B = 45 ms, dependency bound 0.9; the update ``share`` of the serial step)."""
     run = analysis(0.85, 0.4)
     run["update_hidden_fraction_dependency_bound"] = 0.9
-    run["hypervisor_steal_s_per_step"] = {
-        name: {"forward_backward": {"compute_core": seconds, "host_core": 0.0}}
-        for name, seconds in (("overlapped", overlapped_s), ("serial", serial_s))
-    }
+    run["host_update_share_of_serial_step"] = share
+    run["unhidden_s"] = {"engine_thread_waiting_hypervisor_steal": overlapped_s - serial_s}
     return run
 
 
 def test_the_bound_at_the_hours_steal_takes_the_steal_beyond_the_serial_engines_off() -> None:
     # Combined bound 0.9 x 0.8 = 0.72 (the host bound min(1, 45 / (1.2 x 30)) = 1); 6 ms of
     # steal beyond the serial engine's is 0.2 of the 30 ms update: 0.52 at most, and the step
-    # at least 1 - 0.52 x 30 / 100 of the serial one.
+    # at least 1 - 0.52 x 0.3 of the serial one.
     bound = bound_at_steal(stolen(0.008, 0.002), 0.8, {"ratio": 1.2})
     assert bound is not None
     assert bound["update_hidden_fraction"] == pytest.approx(0.52)
@@ -103,23 +102,32 @@ def test_the_bound_at_the_hours_steal_takes_the_steal_beyond_the_serial_engines_
     assert host_limited is not None
     assert host_limited["update_hidden_fraction"] == pytest.approx(0.4)
     # The serial engine met more steal: its step was longer, so the bound is higher.
-    assert bound_at_steal(stolen(0.0, 0.003), 0.8, None)["update_hidden_fraction"] == (  # type: ignore[index]
-        pytest.approx(0.82)
-    )
+    serial_stolen = bound_at_steal(stolen(0.0, 0.003), 0.8, None)
+    assert serial_stolen is not None
+    assert serial_stolen["update_hidden_fraction"] == pytest.approx(0.82)
     # Not measured: no machine bound (a quick run), no steal counter, no kept steps.
     assert bound_at_steal(stolen(0.008, 0.002), None, None) is None
     unread = stolen(0.0, 0.0)
-    unread["hypervisor_steal_s_per_step"] = None
+    unread["unhidden_s"]["engine_thread_waiting_hypervisor_steal"] = None
     assert bound_at_steal(unread, 0.8, None) is None
     nothing_kept = {"median_step_s": None, "update_hidden_fraction_dependency_bound": 0.9}
     assert bound_at_steal(nothing_kept, 0.8, None) is None  # every step clipped
-    repeats = [stolen(0.008, 0.002), stolen(0.002, 0.002), stolen(0.014, 0.002)]
+
+
+def test_the_bounds_over_the_repeats_are_each_keys_own_median() -> None:
+    # Bounds 0.52, 0.72 and 0.32; the step ratios they allow at shares 0.5, 0.3 and 0.4:
+    # 0.74, 0.784 and 0.872. The bound's median is the first repeat's, the ratio's the second's.
+    repeats = [stolen(0.008, 0.002, 0.5), stolen(0.002, 0.002, 0.3), stolen(0.014, 0.002, 0.4)]
     over = bounds_at_steal_over_repeats(repeats, 0.8, None)
     assert over is not None
     assert over["update_hidden_fraction"]["repeats"] == pytest.approx([0.52, 0.72, 0.32])
     assert over["update_hidden_fraction"]["median"] == pytest.approx(0.52)
-    assert over["step_time_ratio"]["median"] == pytest.approx(1.0 - 0.52 * 0.3)
+    assert over["step_time_ratio"]["repeats"] == pytest.approx([0.74, 0.784, 0.872])
+    assert over["step_time_ratio"]["median"] == pytest.approx(0.784)
+    unread = stolen(0.0, 0.0)
+    unread["unhidden_s"]["engine_thread_waiting_hypervisor_steal"] = None
     assert bounds_at_steal_over_repeats([*repeats, unread], 0.8, None) is None
+    assert bounds_at_steal_over_repeats([], 0.8, None) is None
 
 
 def test_the_plain_torch_probes_compute_in_the_engines_precision() -> None:
