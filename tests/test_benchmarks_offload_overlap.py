@@ -89,6 +89,13 @@ def stolen(overlapped_s: float, serial_s: float, share: float = 0.3) -> dict:
     return run
 
 
+def steal_unread() -> dict:
+    """An analysis of a run whose steal counter could not be read."""
+    run = stolen(0.0, 0.0)
+    run["unhidden_s"]["engine_thread_waiting_hypervisor_steal"] = None
+    return run
+
+
 def test_the_bound_at_the_hours_steal_takes_the_steal_beyond_the_serial_engines_off() -> None:
     # Combined bound 0.9 x 0.8 = 0.72 (the host bound min(1, 45 / (1.2 x 30)) = 1); 6 ms of
     # steal beyond the serial engine's is 0.2 of the 30 ms update: 0.52 at most, and the step
@@ -107,9 +114,7 @@ def test_the_bound_at_the_hours_steal_takes_the_steal_beyond_the_serial_engines_
     assert serial_stolen["update_hidden_fraction"] == pytest.approx(0.82)
     # Not measured: no machine bound (a quick run), no steal counter, no kept steps.
     assert bound_at_steal(stolen(0.008, 0.002), None, None) is None
-    unread = stolen(0.0, 0.0)
-    unread["unhidden_s"]["engine_thread_waiting_hypervisor_steal"] = None
-    assert bound_at_steal(unread, 0.8, None) is None
+    assert bound_at_steal(steal_unread(), 0.8, None) is None
     nothing_kept = {"median_step_s": None, "update_hidden_fraction_dependency_bound": 0.9}
     assert bound_at_steal(nothing_kept, 0.8, None) is None  # every step clipped
 
@@ -124,9 +129,7 @@ def test_the_bounds_over_the_repeats_are_each_keys_own_median() -> None:
     assert over["update_hidden_fraction"]["median"] == pytest.approx(0.52)
     assert over["step_time_ratio"]["repeats"] == pytest.approx([0.74, 0.784, 0.872])
     assert over["step_time_ratio"]["median"] == pytest.approx(0.784)
-    unread = stolen(0.0, 0.0)
-    unread["unhidden_s"]["engine_thread_waiting_hypervisor_steal"] = None
-    assert bounds_at_steal_over_repeats([*repeats, unread], 0.8, None) is None
+    assert bounds_at_steal_over_repeats([*repeats, steal_unread()], 0.8, None) is None
     assert bounds_at_steal_over_repeats([], 0.8, None) is None
 
 
