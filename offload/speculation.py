@@ -93,7 +93,7 @@ class Snapshot:
         pieces: list[Piece],
         residency: Residency,
         kept: Kept,
-        saved: list[tuple[Target, torch.Tensor]],
+        plan: Plan,
     ) -> None:
         self.layout = layout
         self.pieces = pieces
@@ -101,9 +101,10 @@ class Snapshot:
         self.grad_slots = [s for s, _lo, _hi in pieces if s.grad_in_param_slot]
         self._residency = residency
         self._kept = kept
+        self._plan = plan
         # Each target with its part of the copy buffer of its dtype (``Plan.saved``), filled
         # once ``take`` ran (the gradients' by the kernels right after it).
-        self._saved = saved
+        self._saved = plan.saved(kept.copies)
         self._taken = False
 
     @property
@@ -189,7 +190,7 @@ class Snapshot:
     def saves_grads(self) -> bool:
         """Whether the update overwrites or divides gradients, which its kernel then saves
         (:meth:`grad_saves`)."""
-        return any(target.grads for target, _buffer in self._saved)
+        return self._plan.saves_grads
 
     def grad_saves(self) -> list[torch.Tensor | None]:
         """For each piece, where the update's kernel saves the gradient it reads, as it reads
@@ -197,10 +198,7 @@ class Snapshot:
         kernel's pass writes 2 bytes per 16-bit element where a copy before it would read the
         gradient too, and read it again from memory. Called on the update's thread, as its
         kernel calls are built; only where :attr:`saves_grads`."""
-        target, buffer = next((t, b) for t, b in self._saved if t.grads)
-        sizes = [hi - lo for _s, lo, hi in target.pieces]
-        saves = dict(zip(map(_key, target.pieces), torch.split(buffer, sizes), strict=True))
-        return [saves.get(_key(piece)) for piece in self.pieces]
+        return self._plan.grad_saves()
 
     def take(self) -> None:
         """On the update's thread before its kernels (its reads are in): copy what it
@@ -212,21 +210,20 @@ class Snapshot:
             if not target.grads:
                 views = spans(chunks[target.kind], target.pieces)
                 torch._foreach_copy_(list(torch.split(buffer, [v.numel() for v in views])), views)
-        updated = {id(slot) for slot, _lo, _hi in self.pieces}
         for kind, shadow in self.shadows.items():
             chunk = chunks[kind]
             payload = chunk.payload
             assert payload is not None
-            every_slot = owned_pieces(self.layout, (chunk.start, chunk.numel), False)
             pair = frozenset((payload.data_ptr(), shadow.data_ptr()))
             if self._kept.same_padding.get(kind) != pair:
                 # Padding is written by no update: once copied, a payload and its shadow keep
                 # it equal as they swap (30 MB a step in benchmarks.offload_overlap, whose tail
                 # chunk is two-thirds padding).
+                every_slot = owned_pieces(self.layout, (chunk.start, chunk.numel), False)
                 for lo, hi in not_updated(chunk, every_slot):
                     shadow[lo:hi].copy_(payload[lo:hi])
                 self._kept.same_padding[kind] = pair
-            idle = [piece for piece in every_slot if id(piece[0]) not in updated]
+            idle = self._plan.idle(chunk)
             if idle:
                 torch._foreach_copy_(spans(chunk, idle, shadow), spans(chunk, idle))
         self._taken = True
@@ -291,9 +288,14 @@ class Plan:
         self.shadowed = shadowed
         self.targets = Snapshot.copy_targets(layout, pieces, shadowed, divided_grads)
         self.copies = Snapshot.copy_elements(layout, self.targets)
+        self.saves_grads = any(target.grads for target in self.targets)
+        self._layout = layout
+        self._pieces = pieces
         self._dtypes = [layout.chunks[target.kind].dtype for target in self.targets]
         self._saved: list[tuple[Target, torch.Tensor]] = []
         self._saved_in: dict[torch.dtype, torch.Tensor] | None = None  # the buffers sliced
+        self._grad_saves: list[torch.Tensor | None] | None = None  # cut from ``_saved``
+        self._idle: dict[tuple[int, int], list[Piece]] = {}  # by a chunk's (start, numel)
 
     @staticmethod
     def key(
@@ -321,7 +323,31 @@ class Plan:
                 filled[dtype] = start + sum(hi - lo for _s, lo, hi in target.pieces)
                 self._saved.append((target, copies[dtype][start : filled[dtype]]))
             self._saved_in = {dtype: copies[dtype] for dtype in filled}
+            self._grad_saves = None
         return self._saved
+
+    def grad_saves(self) -> list[torch.Tensor | None]:
+        """For each piece, its view of the copy buffer that saves gradients (None for a piece
+        whose gradient is not saved), cut again only when :meth:`saved` slices anew: the
+        update's thread builds the kernel calls from these, and its Python holds the GIL that
+        backward's hooks wait for (docs/offload.md)."""
+        if self._grad_saves is None:
+            target, buffer = next((t, b) for t, b in self._saved if t.grads)
+            sizes = [hi - lo for _s, lo, hi in target.pieces]
+            saves = dict(zip(map(_key, target.pieces), torch.split(buffer, sizes), strict=True))
+            self._grad_saves = [saves.get(_key(piece)) for piece in self._pieces]
+        return self._grad_saves
+
+    def idle(self, chunk: Chunk) -> list[Piece]:
+        """The slots of ``chunk`` that these pieces leave out (every slot without a gradient
+        in this step), which a shadow of it copies from the payload: found once per plan."""
+        span = (chunk.start, chunk.numel)
+        idle = self._idle.get(span)
+        if idle is None:
+            updated = {id(slot) for slot, _lo, _hi in self._pieces}
+            every_slot = owned_pieces(self._layout, span, False)
+            idle = self._idle[span] = [p for p in every_slot if id(p[0]) not in updated]
+        return idle
 
 
 def not_updated(chunk: Chunk, pieces: list[Piece]) -> list[tuple[int, int]]:
@@ -393,7 +419,7 @@ class Speculation:
         )
         if kept is None:
             return None
-        snapshot = Snapshot(layout, pieces, self.residency, kept, plan.saved(kept.copies))
+        snapshot = Snapshot(layout, pieces, self.residency, kept, plan)
         self._snapshots.append(snapshot)
         return snapshot
 

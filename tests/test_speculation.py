@@ -278,6 +278,41 @@ def test_a_plan_is_keyed_on_which_slots_hold_their_gradient() -> None:
     engine.step()
 
 
+def test_a_plans_gradient_saves_are_cut_once_per_copy_buffer() -> None:
+    """The kernel saves each 16-bit gradient held in its parameter slot into the plan's copy
+    buffer: the views are cut once and handed to every update of the plan, and cut again
+    where the buffers change (a group whose copies grew)."""
+    engine = initialize(
+        make_model(), device=DEVICE, offload={"optimizer": "host", "overlap": True},
+        **recipe("clip"),
+    )  # fmt: skip
+    (x, y), (x2, y2) = batches(2, rows=8)
+    engine.backward(engine(x, y))
+    engine.step()
+    engine.backward(engine(x2, y2))  # the gradients in their 16-bit slots, before the step
+    optimizer = engine.optimizer
+    layout = optimizer.params.trainable_layouts()[0]
+    pieces = owned_pieces(layout, optimizer.states.state_span(layout))
+    home = optimizer.states.home(layout)
+    plan = speculation.Plan(layout, pieces, speculation.Snapshot.shadowed_kinds(layout, home), None)
+    assert plan.saves_grads
+    for _round in range(2):
+        copies = {dtype: torch.empty(numel, dtype=dtype) for dtype, numel in plan.copies.items()}
+        plan.saved(copies)
+        saves = plan.grad_saves()
+        assert plan.grad_saves() is saves, "cut once while the buffers stay"
+        assert len(saves) == len(pieces)
+        buffer = copies[layout.chunks[ChunkKind.PARAM].dtype]
+        begin, end = buffer.data_ptr(), buffer.data_ptr() + buffer.nbytes
+        offset = 0
+        for (slot, lo, hi), save in zip(pieces, saves, strict=True):
+            assert save is not None and slot.grad_in_param_slot
+            assert save.numel() == hi - lo
+            assert save.data_ptr() == begin + offset * buffer.element_size() < end
+            offset += hi - lo
+    engine.step()
+
+
 def _raise_late(grad: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("late failure in backward")
 
