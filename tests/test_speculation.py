@@ -12,8 +12,8 @@ import torch
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.errors import EngineUsageError
 from chunkmem.pieces import owned_pieces
-from offload import speculation
-from offload.speculation import not_updated
+from offload import speculation, undo_plan
+from offload.undo_plan import not_updated
 from tests.distributed_helpers import one_rank_at_a_time, run_threads
 from tests.offload_helpers import Net, batches, initialize, make_model
 
@@ -226,13 +226,13 @@ def test_a_groups_plan_is_kept_while_its_pieces_stay_the_same(tmp_path, monkeypa
     early start); a group whose pieces change (a branch's parameters get gradients) gets a new
     one, and the steps stay the serial ones (the test above)."""
     made: list[int] = []
-    make = speculation.Plan.__init__
+    make = undo_plan.Plan.__init__
 
-    def counted(plan: speculation.Plan, layout: ChunkLayout, *args: object) -> None:
+    def counted(plan: undo_plan.Plan, layout: ChunkLayout, *args: object) -> None:
         made.append(layout.index)
         make(plan, layout, *args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(speculation.Plan, "__init__", counted)
+    monkeypatch.setattr(undo_plan.Plan, "__init__", counted)
     torch.manual_seed(0)
     model = LateBranch()
     engine = initialize(
@@ -266,13 +266,13 @@ def test_a_plan_is_keyed_on_which_slots_hold_their_gradient() -> None:
     shadowed = speculation.Snapshot.shadowed_kinds(layout, home)
     slot = pieces[0][0]
     assert slot.grad_in_param_slot
-    holding = speculation.Plan(layout, pieces, shadowed, None)
-    key = speculation.Plan.key(pieces, home, None)
+    holding = undo_plan.Plan(layout, pieces, shadowed, None)
+    key = undo_plan.Plan.key(pieces, home, None)
     slot.grad_in_param_slot = False
     try:
-        released = speculation.Plan(layout, pieces, shadowed, None)
+        released = undo_plan.Plan(layout, pieces, shadowed, None)
         assert released.copies != holding.copies, "the plan depends on the flag"
-        assert speculation.Plan.key(pieces, home, None) != key
+        assert undo_plan.Plan.key(pieces, home, None) != key
     finally:
         slot.grad_in_param_slot = True
     engine.step()
@@ -294,7 +294,7 @@ def test_a_plans_gradient_saves_are_cut_once_per_copy_buffer() -> None:
     layout = optimizer.params.trainable_layouts()[0]
     pieces = owned_pieces(layout, optimizer.states.state_span(layout))
     home = optimizer.states.home(layout)
-    plan = speculation.Plan(layout, pieces, speculation.Snapshot.shadowed_kinds(layout, home), None)
+    plan = undo_plan.Plan(layout, pieces, speculation.Snapshot.shadowed_kinds(layout, home), None)
     assert plan.saves_grads
     for _round in range(2):
         copies = {dtype: torch.empty(numel, dtype=dtype) for dtype, numel in plan.copies.items()}
