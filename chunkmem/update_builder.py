@@ -17,10 +17,11 @@ import torch
 
 import chunkmem.update_kernels as update_kernels
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout, TensorSlot
+from chunkmem.host_rows import HostRows, RowsCache, written_tensors
 from chunkmem.layout_update import LayoutUpdate
 from chunkmem.manager import ChunkManager
 from chunkmem.optimizer_states import OptimizerStates
-from chunkmem.pieces import Piece, addresses, spans
+from chunkmem.pieces import Piece, spans
 from chunkmem.sharding import Waitable
 from chunkmem.tiers import StorageTier
 from chunkmem.torch_update import TorchUpdate, account_stream
@@ -120,6 +121,7 @@ class UpdateBuilder:
         self.torch_update = TorchUpdate(self.grads, self.residency, self.groups)
         self.host_threads = host_threads
         self.step_counts: dict[TensorSlot, torch.Tensor] = {}
+        self.rows = RowsCache()  # the native Adam's rows, by layout
 
     def _step_tensor(self, slot: TensorSlot, device: torch.device) -> torch.Tensor:
         counter = self.step_counts.get(slot)
@@ -326,7 +328,8 @@ class UpdateBuilder:
         chunk, not as a view a piece checked one by one: the Python that builds the calls
         runs on the host thread beside backward, and every millisecond of it there cost the
         engine's thread about as much or more (the GIL; docs/offload.md, "The regime reached
-        at 4 tokens")."""
+        at 4 tokens"). They are kept from one update of a layout to the next while their
+        buffers stay (``chunkmem.host_rows``, [Note: rows kept across updates])."""
         grads = staged.grads
         rule = self.groups.rule
         fused_norms: list[tuple[list[int], torch.Tensor]] | None = (
@@ -339,33 +342,44 @@ class UpdateBuilder:
         )
         mixed = ChunkKind.MASTER in chunks
         value = ChunkKind.MASTER if mixed else ChunkKind.PARAM
-        place = addresses if by_address else spans
-        params = place(chunks[value], pieces)
-        outs = None  # the 16-bit values' views (rows by address: ``_Rows`` has them)
-        if mixed and not by_address:
-            outs = staged.outs or spans(chunks[ChunkKind.PARAM], pieces)
-        moments = [place(chunks[kind], pieces) for kind in rule.moments]
         saves = None if grads_saved is None else grads_saved()
-        new = None
-        if into:
-            new = [
-                place(chunks[kind], pieces, into[kind]) if kind in into else read
-                for kind, read in ((value, params), *zip(rule.moments, moments, strict=True))
-            ]
+        slots = [s for s, _lo, _hi in pieces]
+        steps = [step_of[id(slot)] for slot in slots]
         if by_address:
-            rows = _Rows(kernels, chunks, value, rule.moments, pieces, params, moments, new,
-                         staged, saves, into, divides=grad_scale is not None)  # fmt: skip
+            written = written_tensors(chunks, value, rule.moments, staged.outs, saves, into)
+            if grad_scale is not None:  # the gradients are left divided
+                written = [*written, *grads]
+
+            def build() -> HostRows:
+                return HostRows(kernels, chunks, value, rule.moments, pieces, grads, staged.outs,
+                                saves, into, steps, written, self.groups.by_group(slots))  # fmt: skip
+
+            buffers = [*(chunks[kind].payload for kind in (value, *rule.moments)), *written]
+            rows = self.rows.rows(
+                chunks[value].layout.index, build, buffers, pieces, grads, saves, steps
+            )
+            group_positions = rows.positions
+        else:
+            group_positions = self.groups.by_group(slots)
+            params = spans(chunks[value], pieces)
+            outs = (staged.outs or spans(chunks[ChunkKind.PARAM], pieces)) if mixed else None
+            moments = [spans(chunks[kind], pieces) for kind in rule.moments]
+            new = None
+            if into:
+                new = [
+                    spans(chunks[kind], pieces, into[kind]) if kind in into else read
+                    for kind, read in ((value, params), *zip(rule.moments, moments, strict=True))
+                ]
         calls: list[Callable[[], None]] = []
-        for group_index, positions in self.groups.by_group([s for s, _lo, _hi in pieces]).items():
+        for group_index, positions in group_positions.items():
             norms = None
             if fused_norms is not None:
                 norms = torch.empty(len(positions), dtype=torch.float32)
                 fused_norms.append((positions, norms))
-            steps = [step_of[id(pieces[i][0])] for i in positions]
             if by_address:
                 call = functools.partial(
-                    kernel, group_index, rows.select(positions, steps), rows.types,
-                    written=rows.written, grad_scale=grad_scale, grad_norms=norms,
+                    kernel, group_index, rows.by_group[group_index], rows.types,
+                    written=written, grad_scale=grad_scale, grad_norms=norms,
                     num_threads=self.host_threads,
                 )  # fmt: skip
             else:
@@ -375,7 +389,7 @@ class UpdateBuilder:
                     [params[i] for i in positions],
                     [grads[i] for i in positions],
                     [[moment[i] for i in positions] for moment in moments],
-                    steps,
+                    [steps[i] for i in positions],
                     grad_scale=grad_scale,
                     params_out=None if outs is None else [outs[i] for i in positions],
                     new_states=None
@@ -400,87 +414,3 @@ class UpdateBuilder:
             self.residency.workspaces.scoped(sum(sizes), dtype, work, protect, within="capacity")
         )
         return list(torch.split(buffer, sizes))
-
-
-class _Rows:
-    """A layout's rows by address for Adam calls over them (:meth:`select` one group's):
-    the chunks' rows, and the rows of what comes as tensors (the gradients, a GPU's 16-bit
-    values' host buffers, the saved gradients' buffers), each gradient's dtype checked here
-    (they come from different chunks); the dtypes; and the tensors the calls write, whose
-    version counters are bumped as the tensor kernels bump their views'. ``divides``: the
-    gradients are left divided (fp32 ones read in place)."""
-
-    def __init__(
-        self,
-        kernels: ModuleType,
-        chunks: dict[ChunkKind, Chunk],
-        value: ChunkKind,
-        moments: tuple[ChunkKind, ...],
-        pieces: list[Piece],
-        params: list[int],
-        moment_rows: list[list[int]],
-        new: list[list[int]] | None,
-        staged: Staged,
-        saves: list[torch.Tensor | None] | None,
-        into: dict[ChunkKind, torch.Tensor],
-        divides: bool,
-    ) -> None:
-        grads = staged.grads
-        grad_dtype = grads[0].dtype if grads else torch.float32
-        for grad in grads:
-            if grad.dtype != grad_dtype or not grad.is_cpu or not grad.is_contiguous():
-                raise TypeError(
-                    f"a host update's gradients must be contiguous CPU tensors of one dtype, "
-                    f"got {grad.dtype} on {grad.device} beside {grad_dtype}"
-                )
-        self._kernels = kernels
-        self._pieces = pieces
-        self._params = params
-        self._moments = moment_rows
-        self._new = new
-        self._grads = [grad.data_ptr() for grad in grads]
-        self._saved = (
-            None if saves is None else [None if t is None else t.data_ptr() for t in saves]
-        )
-        # The kinds written elsewhere (an update out of place) write their buffers instead.
-        written = [into[k] if k in into else chunks[k].payload for k in (value, *moments)]
-        self._outs: list[int] | None = None
-        out_dtype = None
-        if value == ChunkKind.MASTER:  # 16-bit values written in the same pass
-            param = chunks[ChunkKind.PARAM]
-            out_dtype = param.dtype
-            if staged.outs is not None:
-                self._outs = [t.data_ptr() for t in staged.outs]
-                written.extend(staged.outs)
-            else:
-                self._outs = addresses(param, pieces)
-                written.append(param.payload)
-        written.extend(t for t in saves or () if t is not None)
-        if divides:
-            written.extend(grads)
-        self.written: list[torch.Tensor] = [t for t in written if t is not None]
-        if not all(t.is_cpu for t in self.written):
-            raise ValueError("a host update's rows by address must all lie in host memory")
-        self.types = kernels.RowTypes(
-            params=chunks[value].dtype, grads=grad_dtype, states=chunks[moments[0]].dtype,
-            out=out_dtype,
-        )  # fmt: skip
-
-    def select(self, positions: list[int], steps: list[torch.Tensor]):
-        """One call's rows: the pieces at ``positions``, with their step counts."""
-
-        def pick(rows):
-            return None if rows is None else [rows[i] for i in positions]
-
-        pieces = self._pieces
-        return self._kernels.AdamRows(
-            params=pick(self._params),
-            grads=pick(self._grads),
-            exp_avgs=pick(self._moments[0]),
-            exp_avg_sqs=pick(self._moments[1]),
-            steps=[step.data_ptr() for step in steps],
-            numels=[pieces[i][2] - pieces[i][1] for i in positions],
-            params_out=pick(self._outs),
-            new_states=None if self._new is None else tuple(pick(rows) for rows in self._new),
-            grads_saved=pick(self._saved),
-        )

@@ -636,3 +636,50 @@ def test_an_early_update_measures_a_gpus_gradients_where_the_serial_step_does(mo
         for engine in engines.values():
             engine.close()
         torch.set_num_threads(threads)
+
+
+def test_a_layout_is_final_once_each_slot_has_the_contributions_of_the_cycle_before():
+    """The count the overlap starts an update on (``ExpectedGradients``): the first cycle
+    waits for one gradient per slot; later ones for as many as the cycle before gave each
+    slot, and not for a slot that got none then."""
+    from chunkmem.sharding import ExpectedGradients
+
+    engine = initialize(make_model(), device=DEVICE)
+    train_engine(engine, batches(1, 4))  # packs the parameters into layouts
+    layout = max(engine.manager.params.trainable_layouts(), key=lambda lay: len(lay.slots))
+    first, second, *rest = layout.slots
+    assert rest, "the test needs a layout of three slots or more"
+    arrived = ExpectedGradients()
+    arrived.begin()
+    for slot in (first, second, *rest[:-1]):
+        arrived.add(slot)
+        assert not arrived.complete(layout)
+    arrived.add(first)  # a second contribution: a reentrant checkpoint's recomputation
+    assert not arrived.complete(layout) and not arrived.all_in(layout)
+    arrived.add(rest[-1])
+    assert arrived.complete(layout) and arrived.all_in(layout)
+    arrived.learn()
+
+    arrived.begin()  # the next cycle: ``first`` twice, every other slot once
+    for slot in layout.slots:
+        arrived.add(slot)
+    assert not arrived.complete(layout) and not arrived.all_in(layout)
+    arrived.add(first)
+    assert arrived.complete(layout) and arrived.all_in(layout)
+    arrived.learn()
+
+    arrived.begin()  # ``second`` gets none in this cycle: it is waited for
+    for slot in (first, first, *rest):
+        arrived.add(slot)
+    assert not arrived.complete(layout)
+    arrived.learn()
+
+    arrived.begin()  # and not in the next, which the cycle before taught
+    for slot in (first, first, *rest[:-1]):
+        arrived.add(slot)
+    assert not arrived.complete(layout)
+    arrived.add(rest[-1])
+    assert arrived.complete(layout) and not arrived.all_in(layout)
+    arrived.add(first)  # more contributions than expected keep it final
+    assert arrived.complete(layout)
+    engine.close()

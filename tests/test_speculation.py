@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from chunkmem import host_rows
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
 from chunkmem.errors import EngineUsageError
 from chunkmem.pieces import owned_pieces
@@ -453,3 +454,57 @@ def test_what_an_update_leaves_out_is_the_complement_of_its_pieces() -> None:
     assert not_updated(chunk, [(a, 0, 4), (c, 1, 5)]) == [(4, 11), (15, 20)]
     shard = Chunk(1, layout, ChunkKind.MASTER, torch.float32, start=10, numel=10)
     assert not_updated(shard, [(c, 0, 5)]) == [(5, 10)]  # a ZeRO shard: its own coordinates
+
+
+def test_a_layouts_rows_are_built_once_per_set_of_buffers(monkeypatch) -> None:
+    """The host calls' rows are kept across updates (chunkmem/host_rows.py): a speculative
+    layout alternates between its chunks' payloads and their shadows, and a rollback's serial
+    update writes in place over either, so after the first steps every update finds its rows,
+    rollbacks included, and the steps stay the serial ones (the test above)."""
+    built: list[int] = []
+    make = host_rows.HostRows.__init__
+
+    def counted(rows: host_rows.HostRows, kernels, chunks, *args) -> None:  # type: ignore[no-untyped-def]
+        built.append(chunks[ChunkKind.MASTER].layout.index)
+        make(rows, kernels, chunks, *args)
+
+    monkeypatch.setattr(host_rows.HostRows, "__init__", counted)
+    engine = initialize(make_model(), device=DEVICE, offload=offload_for("host", True, ""),
+                        **recipe("clip"))  # fmt: skip
+    train(engine, batches(STEPS, rows=8), slice(None), poison=False)
+    summary = engine.run_summary()
+    assert summary.speculative_rollbacks == len(BIG)
+    assert summary.speculative_commits > 0
+    by_layout = {index: built.count(index) for index in set(built)}
+    assert all(count <= host_rows.KEPT_PER_LAYOUT for count in by_layout.values()), by_layout
+    settled = len(built)
+    train(engine, batches(STEPS, rows=8, seed=4), slice(None), poison=False)
+    assert len(built) == settled, "the same buffers built their rows again"
+    engine.close()
+
+
+def test_rows_are_found_by_their_buffers_addresses_and_the_oldest_set_dropped() -> None:
+    """Rows are only addresses: the same addresses find them (whichever tensors hold them
+    now), a different address builds new ones, and a layout keeps KEPT_PER_LAYOUT sets."""
+    cache = host_rows.RowsCache()
+    slot = object()
+    pieces = [(slot, 0, 4)]
+    grads, steps = [torch.zeros(4)], [torch.zeros(())]
+    made: list[object] = []
+
+    def build() -> object:
+        made.append(object())
+        return made[-1]
+
+    buffers = [torch.zeros(4) for _ in range(host_rows.KEPT_PER_LAYOUT + 1)]
+    first = cache.rows(0, build, [buffers[0]], pieces, grads, None, steps)  # type: ignore[arg-type]
+    alias = buffers[0].view(4)  # another tensor at the same address
+    assert cache.rows(0, build, [alias], pieces, grads, None, steps) is first  # type: ignore[arg-type]
+    assert cache.rows(1, build, [buffers[0]], pieces, grads, None, steps) is not first  # type: ignore[arg-type]
+    saved = [torch.zeros(4)]
+    assert cache.rows(0, build, [buffers[0]], pieces, grads, saved, steps) is not first  # type: ignore[arg-type]
+    for buffer in buffers[1:]:
+        cache.rows(0, build, [buffer], pieces, grads, None, steps)  # type: ignore[arg-type]
+    assert len(made) == 3 + len(buffers) - 1
+    assert cache.rows(0, build, [buffers[0]], pieces, grads, None, steps) is not first  # type: ignore[arg-type]
+    assert cache.rows(0, build, [buffers[-1]], pieces, grads, None, steps) is made[-2]  # type: ignore[arg-type]
