@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.chunkmem-installed
 
-.PHONY: venv demo test test-integration test-threads test-slow bench lint clean cuda-check gpu-check gpu-wheels
+.PHONY: venv demo test test-integration test-threads test-slow bench bench-deps lint clean cuda-check gpu-check gpu-wheels
 
 venv: $(STAMP)
 
@@ -51,6 +51,12 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	for b in chunk_traffic overhead max_model; do $(PY) -m benchmarks.$$b || exit 1; done
+
+# The peers the benchmarks compare against that `make venv` leaves out (setup.cfg's `bench`
+# extra: DeepSpeed, scipy). Without them `scale` and `zero_vs_peers` skip DeepSpeed's rows
+# and say so. With torch already in the venv, pip keeps it.
+bench-deps: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[bench]"
 
 # Which benchmarks/results/*.json are older than the code they measure (benchmarks/staleness.py,
 # docs/benchmarks.md): git and the standard library only, no venv, no benchmark runs. Exit 1
