@@ -78,9 +78,7 @@ class HostRows:
                     f"a host update's gradients must be contiguous CPU tensors of one dtype, "
                     f"got {grad.dtype} on {grad.device} beside {grad_dtype}"
                 )
-        if not all(t.is_cpu for t in written):
-            raise ValueError("a host update's rows by address must all lie in host memory")
-        params = addresses(chunks[value], pieces)
+        params = addresses(chunks[value], pieces)  # first: it names a chunk without payload
         moment_rows = [addresses(chunks[kind], pieces) for kind in moments]
         new = None
         if into:
@@ -94,6 +92,8 @@ class HostRows:
             param = chunks[ChunkKind.PARAM]
             out_dtype = param.dtype
             out_rows = addresses(param, pieces) if outs is None else [t.data_ptr() for t in outs]
+        if not all(t.is_cpu for t in written):
+            raise ValueError("a host update's rows by address must all lie in host memory")
         self.types = kernels.RowTypes(
             params=chunks[value].dtype, grads=grad_dtype, states=chunks[moments[0]].dtype,
             out=out_dtype,

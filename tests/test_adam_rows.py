@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from chunkmem.chunk import Chunk, ChunkKind, ChunkLayout
+from chunkmem.host_rows import HostRows, RowsCache, written_tensors
 from chunkmem.pieces import addresses, owned_pieces, spans
 from kernels import host_optim
 from tests.kernels_helpers import assert_same_bits
@@ -130,6 +131,28 @@ def test_addresses_are_the_views_data_pointers_and_refuse_bad_buffers():
     master.payload = None
     with pytest.raises(RuntimeError, match="has no payload"):
         addresses(master, pieces)
+
+
+def test_a_host_updates_rows_name_a_chunk_without_payload():
+    """Built through the cache as an update builds them: a chunk whose payload is gone (it
+    must be fetched first) is named, before the written buffers are checked."""
+    kinds = {ChunkKind.MASTER: F32, ChunkKind.PARAM: BF16, ChunkKind.EXP_AVG: F32,
+             ChunkKind.EXP_AVG_SQ: F32}  # fmt: skip
+    layout, chunks = _chunks(kinds, seed=5)
+    pieces = owned_pieces(layout, (5, layout.used - 5), False)
+    grads = [torch.ones(hi - lo, dtype=BF16) for _s, lo, hi in pieces]
+    steps = [torch.tensor(1.0) for _ in pieces]
+    moments = (ChunkKind.EXP_AVG, ChunkKind.EXP_AVG_SQ)
+    chunks[ChunkKind.EXP_AVG_SQ].payload = None
+    written = written_tensors(chunks, ChunkKind.MASTER, moments, None, None, {})
+
+    def build() -> HostRows:
+        return HostRows(host_optim, chunks, ChunkKind.MASTER, moments, pieces, grads, None,
+                        None, {}, steps, written, {0: list(range(len(pieces)))})  # fmt: skip
+
+    buffers = [*(chunks[k].payload for k in (ChunkKind.MASTER, *moments)), *written]
+    with pytest.raises(RuntimeError, match=r"id=3, exp_avg_sq.*has no payload"):
+        RowsCache().rows(layout.index, build, buffers, pieces, grads, None, steps)
 
 
 def _rows(count: int, **changes) -> host_optim.AdamRows:
