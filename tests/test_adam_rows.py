@@ -1,6 +1,7 @@
 """The native Adam over rows by address (``kernels.host_optim.adam_rows_``) and the chunk
-pieces' addresses it takes (``chunkmem.pieces.addresses``): the bits of the tensor kernel on
-views of the same rows, the outputs' version counters bumped, and bad rows refused."""
+pieces' addresses it takes (``chunkmem.pieces.addresses``, through ``chunkmem.host_rows`` in an
+update): the bits of the tensor kernel on views of the same rows, the outputs' version counters
+bumped, and bad rows refused."""
 
 from __future__ import annotations
 
