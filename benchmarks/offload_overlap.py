@@ -155,6 +155,14 @@ through the cache, whichever its first large calls measured faster on this machi
 made the speculative update 2.4 times as long and the clipped overlap hid nothing. The
 choice is in ``details.row_stores``, and the full run pairs the clipped engines once more with
 the other kind forced (``details.row_stores.clipped_with_the_other_kind``, the ablation).
+
+[Note: does the host thread keep up] Each group's update runs on the host thread once its
+gradients are final, one group about every block's backward. Where a run takes longer than
+that, the host thread runs back to back and ends behind backward, and ``step()`` waits for the
+rest. Each analysis says which (``host_thread``, medians over the step pairs, from each early
+update's run timed on its thread): the share of backward the host thread spent running them
+(``busy_fraction_of_backward``; near 1: saturated) and how long its runs lasted past backward's
+end (``runs_after_backward_s``).
 """
 
 from __future__ import annotations
@@ -247,6 +255,7 @@ def build(model, overlap: bool, clip: float, where: str, path: str, precision: s
     )  # fmt: skip
     if overlap:
         time_listener(engine)
+        time_host_runs(engine)
     return engine
 
 
@@ -283,6 +292,41 @@ def time_listener(engine) -> None:
     listener.writing = timed(listener.writing)
 
 
+def time_host_runs(engine) -> None:
+    """Record, in ``engine.host_runs``, each early update's run on the host thread as (start,
+    end) on ``time.perf_counter``'s clock: whether the host thread keeps up with backward, or
+    runs back to back and leaves work past backward's end (``host_thread_split``)."""
+    optimizer = engine.optimizer
+    start_early = optimizer.start_early
+    engine.host_runs = []
+
+    def timed(run: Callable[[], None]) -> Callable[[], None]:
+        def call() -> None:
+            start = time.perf_counter()
+            try:
+                run()
+            finally:
+                engine.host_runs.append((start, time.perf_counter()))
+
+        return call
+
+    def start(layout, submit) -> bool:
+        return start_early(layout, lambda run: submit(timed(run)))
+
+    optimizer.start_early = start
+
+
+def host_thread_split(
+    runs: list[tuple[float, float]], backward_start: float, backward_end: float
+) -> tuple[float, float]:
+    """(seconds the host thread ran early updates within backward, seconds its runs lasted
+    past backward's end): the first over backward's length says how busy it kept the host
+    core; the second is what ``step()`` waits for at least."""
+    busy = sum(max(0.0, min(end, backward_end) - max(start, backward_start)) for start, end in runs)
+    after = max((end for _start, end in runs), default=backward_end) - backward_end
+    return busy, max(0.0, after)
+
+
 class StepSample(NamedTuple):
     """One engine step as the benchmark times it (seconds)."""
 
@@ -297,6 +341,9 @@ class StepSample(NamedTuple):
     # machine's, not the engine's (see the note on steal); None where not counted.
     steal_forward_backward_s: tuple[float, ...] | None = None
     steal_step_call_s: tuple[float, ...] | None = None
+    # The host thread's early-update runs (``host_thread_split``); None where not timed.
+    host_busy_in_backward_s: float | None = None
+    host_after_backward_s: float | None = None
 
 
 def one_step(
@@ -306,6 +353,9 @@ def one_step(
     ``sync``: a device's, called before the step, at backward's end and at the step's end;
     such a run reads no steal (a GPU's host is not the emulation's pair of vCPUs)."""
     engine.listener_cpu_s = 0.0
+    runs = getattr(engine, "host_runs", None)
+    if runs is not None:
+        runs.clear()
     wait = sync or (lambda: None)
     read_steal = (lambda: None) if sync else functools.partial(steal_s, CORES)
     wait()
@@ -326,6 +376,9 @@ def one_step(
         os.sched_setaffinity(0, {COMPUTE_CORE})
     wait()
     end = time.perf_counter()
+    busy, after = (
+        (None, None) if runs is None else host_thread_split(runs, forward_done, backward_done)
+    )
     return StepSample(
         step_s=end - start,
         forward_backward_s=backward_done - start,
@@ -336,6 +389,8 @@ def one_step(
         backward_s=backward_done - forward_done,
         steal_forward_backward_s=steal_between(steal_start, steal_backward_done),
         steal_step_call_s=steal_between(steal_backward_done, read_steal()),
+        host_busy_in_backward_s=busy,
+        host_after_backward_s=after,
     )
 
 
@@ -694,6 +749,7 @@ def analyse(run: dict, clip: float) -> dict:
             "overlapped_step_call": statistics.median(o.step_call_s for o, _s in kept),
         },  # fmt: skip
         "unhidden_s": unhidden(kept, steal),
+        "host_thread": host_thread(kept),
         "hypervisor_steal_s_per_step": steal,
         "without_hypervisor_steal": without_steal(kept, steal),
         "steps_measured": len(kept),
@@ -834,6 +890,25 @@ def unhidden(
         else steal["overlapped"]["forward_backward"]["compute_core"]
         - steal["serial"]["forward_backward"]["compute_core"],
         "step_call": statistics.median(o.step_call_s for o, _s in kept),
+    }
+
+
+def host_thread(kept: list[tuple[StepSample, StepSample]]) -> dict[str, float] | None:
+    """How the overlapped engine's host thread kept up (medians over step pairs): the share of
+    backward it spent running early updates, and the seconds its runs lasted past backward's
+    end. None where the runs were not timed."""
+    timed = [o for o, _s in kept if o.host_busy_in_backward_s is not None]
+    if not timed:
+        return None
+    return {
+        "busy_fraction_of_backward": statistics.median(
+            o.host_busy_in_backward_s / o.backward_s
+            for o in timed  # type: ignore[operator]
+        ),
+        "runs_after_backward_s": statistics.median(
+            o.host_after_backward_s
+            for o in timed  # type: ignore[misc]
+        ),
     }
 
 
@@ -1066,6 +1141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
         ],  # fmt: skip
     )
+    kept_up = {name: r["host_thread"] for name, r in (("plain", plain), ("clip 1.0", clipped))
+               if r.get("host_thread")}  # fmt: skip
+    if kept_up:
+        print(
+            "\nthe host thread (medians): "
+            + "; ".join(
+                f"{name} busy {split['busy_fraction_of_backward']:.0%} of backward, its runs "
+                f"{1e3 * split['runs_after_backward_s']:.1f} ms past backward's end"
+                for name, split in kept_up.items()
+            )
+        )
     steal = clipped["hypervisor_steal_s_per_step"]
     if steal is not None:
         ms = {name: {phase: {core: 1e3 * seconds for core, seconds in cores.items()}

@@ -23,11 +23,14 @@ from benchmarks.offload_overlap import (
     build,
     combined_bound,
     host_bound,
+    host_thread,
+    host_thread_split,
     in_precision,
     keep_host_threads_on_host_core,
     last_final_share,
     median_repeat,
     model_for,
+    one_step,
     over_repeats,
     probe_steal,
     steal_per_step,
@@ -279,3 +282,53 @@ def test_threads_the_library_starts_on_the_compute_core_move_to_the_host_core() 
             with contextlib.suppress(ProcessLookupError):
                 os.sched_setaffinity(native_id, affinity)
     assert cores == [{HOST_CORE}]
+
+
+def test_the_host_threads_runs_split_at_backwards_end() -> None:
+    # Backward from 1.0 to 2.0 s: one run inside it, one across its end, one after it.
+    runs = [(1.2, 1.5), (1.8, 2.3), (2.3, 2.6)]
+    busy, after = host_thread_split(runs, 1.0, 2.0)
+    assert busy == pytest.approx(0.3 + 0.2)
+    assert after == pytest.approx(0.6)
+    # Runs all over before backward ends leave nothing after it; none at all, nothing either.
+    assert host_thread_split([(1.2, 1.5)], 1.0, 2.0) == pytest.approx((0.3, 0.0))
+    assert host_thread_split([], 1.0, 2.0) == (0.0, 0.0)
+
+
+def test_the_host_thread_analysis_is_a_median_over_timed_steps() -> None:
+    def timed(backward_s: float, busy: float | None, after: float | None) -> StepSample:
+        return sample(0.130, 0.100, None, 0.005)._replace(
+            backward_s=backward_s, host_busy_in_backward_s=busy, host_after_backward_s=after
+        )
+
+    serial = sample(0.105, 0.100, None, 0.050)
+    kept = [(timed(0.040, 0.020, 0.001), serial), (timed(0.050, 0.045, 0.004), serial),
+            (timed(0.040, 0.036, 0.003), serial)]  # fmt: skip
+    split = host_thread(kept)
+    assert split == pytest.approx(
+        {"busy_fraction_of_backward": 0.9, "runs_after_backward_s": 0.003}
+    )
+    # A GPU run's engines built elsewhere, or the serial engine: not timed, so no split.
+    assert host_thread([(timed(0.040, None, None), serial)]) is None
+
+
+def test_the_overlapped_engines_early_runs_are_timed_on_their_thread(tmp_path) -> None:
+    model = model_for(16, n_layer=2)
+    engines = [build(model, overlap, 0.0, "host", str(tmp_path / str(overlap)), "fp32")
+               for overlap in (False, True)]  # fmt: skip
+    try:
+        serial, overlapped = engines
+        listener = overlapped.reducer.listener
+        for x, y in text_batches(16, 3):  # the first step learns the counts: no early update
+            started = listener.started
+            late = one_step(overlapped, x, y, 1.0, False)
+            plain = one_step(serial, x, y, 1.0, False)
+        assert plain.host_busy_in_backward_s is None and plain.host_after_backward_s is None
+        runs = overlapped.host_runs
+        assert len(runs) == listener.started - started > 0  # each of the step's runs, once
+        assert all(start < end for start, end in runs)
+        assert 0 < late.host_busy_in_backward_s <= late.backward_s
+        assert late.host_after_backward_s >= 0
+    finally:
+        for engine in engines:
+            engine.close()
