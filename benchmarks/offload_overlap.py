@@ -897,18 +897,16 @@ def host_thread(kept: list[tuple[StepSample, StepSample]]) -> dict[str, float] |
     """How the overlapped engine's host thread kept up (medians over step pairs): the share of
     backward it spent running early updates, and the seconds its runs lasted past backward's
     end. None where the runs were not timed."""
-    timed = [o for o, _s in kept if o.host_busy_in_backward_s is not None]
+    timed = [
+        (o.host_busy_in_backward_s / o.backward_s, o.host_after_backward_s)
+        for o, _s in kept
+        if o.host_busy_in_backward_s is not None and o.host_after_backward_s is not None
+    ]
     if not timed:
         return None
     return {
-        "busy_fraction_of_backward": statistics.median(
-            o.host_busy_in_backward_s / o.backward_s
-            for o in timed  # type: ignore[operator]
-        ),
-        "runs_after_backward_s": statistics.median(
-            o.host_after_backward_s
-            for o in timed  # type: ignore[misc]
-        ),
+        "busy_fraction_of_backward": statistics.median(busy for busy, _after in timed),
+        "runs_after_backward_s": statistics.median(after for _busy, after in timed),
     }
 
 
