@@ -138,6 +138,22 @@ same width hides more (GPT-2 small has 12 blocks, a 7B 32, a 70B 80). The full r
 the engines on DEEPER_N_LAYER blocks, plain and clipped, once each, at the same tokens per step
 (``details.deeper_model``), to show how much of the unhidden update is that share.
 
+[Note: width] Each group's update also costs the engine's thread about 0.2 ms of Python in
+backward (pinning, preparing, retiring: 1.4-1.7 ms a step for 9 groups with no host work
+beside it, twice that beside it) and the host thread 0.1-0.3 ms (building the kernel's
+arguments, holding the GIL the engine thread's hooks then wait for), whatever its size; the kernels' work grows with
+the width squared. At 512 wide a group's update took about 2 ms, so that fixed Python was a
+large share of it; at 1024 about 8 ms; at a 7B's 4096 (a block of 200M elements) a thousandth.
+Until this note the GPT was 512 wide. In throwaway probes (2026-12-02, an AMD EPYC with
+AVX-512 BF16, 32 tokens a step, 40 step pairs a run) the clipped ratio was 0.779-0.789 at 1024
+(three runs) against 0.873 at 512 in the same minutes; the engine thread's callbacks and
+waits went from 4.1 ms a step of the 11 left unhidden at 512 to 5.0-5.8 of 25-34 at 1024, where
+the compute core's slowdown beside the host kernels (the machine's, 13-17 ms) became the
+largest part.
+So the GPT is N_EMBD wide, and the full run pairs the engines at NARROWER_N_EMBD too, plain and
+clipped, once each, at the same tokens per step (``details.narrower_model``): the ablation
+without the width.
+
 [Note: NVMe] Each block of a transfer is one job of the tier's I/O threads (on the host core,
 see the note on emulation), and a write copies its blocks into four shared buffers on the
 calling thread: the engine's, which in an overlapped step writes each group's states back in
@@ -206,6 +222,11 @@ ROLLBACK_EVERY = 6  # a step whose loss is scaled up so that clipping fires
 # with 4 the plain overlap hid 0.58 of the update on the same machine. See the note on depth.
 N_LAYER = 8
 DEEPER_N_LAYER = 16
+# The GPT's width (GPT-2 medium's; a 7B's is 4096) and the full run's ablation at the width
+# this benchmark used until the note on width (``details.narrower_model``).
+N_EMBD = 1024
+NARROWER_N_EMBD = 512
+HEAD_WIDTH = 128
 # The NVMe tier's block size in the full run's ablation (see the note on NVMe); the keyed run
 # uses the tier's default.
 NVME_SMALL_BLOCK = 64 << 10
@@ -571,16 +592,20 @@ def text_batches(tokens: int, count: int) -> list[tuple[torch.Tensor, torch.Tens
     return [(row[:, :-1], row[:, 1:]) for row in rows]
 
 
-def gpt_config(tokens: int, n_layer: int = N_LAYER) -> GPTConfig:
-    """The benchmark's GPT: byte vocabulary, ``n_layer`` blocks 512 wide."""
-    return GPTConfig(vocab_size=256, block_size=tokens, n_layer=n_layer, n_head=4, n_embd=512)
+def gpt_config(tokens: int, n_layer: int = N_LAYER, n_embd: int = N_EMBD) -> GPTConfig:
+    """The benchmark's GPT: byte vocabulary, ``n_layer`` blocks ``n_embd`` wide, heads
+    HEAD_WIDTH wide."""
+    return GPTConfig(vocab_size=256, block_size=tokens, n_layer=n_layer,
+                     n_head=n_embd // HEAD_WIDTH, n_embd=n_embd)  # fmt: skip
 
 
-def model_for(tokens: int, pretrain_steps: int = 0, n_layer: int = N_LAYER) -> GPT:
+def model_for(
+    tokens: int, pretrain_steps: int = 0, n_layer: int = N_LAYER, n_embd: int = N_EMBD
+) -> GPT:
     """The GPT, trained ``pretrain_steps`` steps first in plain PyTorch (past the first
     steps' large gradients, as a run that has settled: see the module note on clipping)."""
     torch.manual_seed(0)
-    model = GPT(gpt_config(tokens, n_layer))
+    model = GPT(gpt_config(tokens, n_layer, n_embd))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     for x, y in text_batches(tokens, pretrain_steps):
         model(x, y).backward()
@@ -590,12 +615,12 @@ def model_for(tokens: int, pretrain_steps: int = 0, n_layer: int = N_LAYER) -> G
     return model
 
 
-def choose_precision(pinned: bool, path: str, steps: int) -> dict[str, Any]:
+def choose_precision(pinned: bool, path: str, steps: int, n_embd: int) -> dict[str, Any]:
     """bf16 where this CPU computes it at speed, else fp32 (the module's note on precision):
     forward and backward of the serial engine at CALIBRATION_TOKENS (the host update is the
     same work in both), ``steps`` steps after two, the precisions alternating so that a
     change in load hits both; the median of the paired ratios."""
-    tokens, model = CALIBRATION_TOKENS, model_for(CALIBRATION_TOKENS)
+    tokens, model = CALIBRATION_TOKENS, model_for(CALIBRATION_TOKENS, n_embd=n_embd)
     seconds: dict[str, list[float]] = {precision: [] for precision in PRECISIONS}
     engines = {}
     try:
@@ -622,13 +647,13 @@ def choose_precision(pinned: bool, path: str, steps: int) -> dict[str, Any]:
 
 
 def choose_tokens(
-    pinned: bool, path: str, steps: int, precision: str, sizes: Sequence[int] = TOKENS
+    pinned: bool, path: str, steps: int, precision: str, n_embd: int, sizes: Sequence[int]
 ) -> tuple[int, dict[int, float]]:
     """The most tokens per step of ``sizes`` at which the host update is still MIN_HOST_SHARE
     of the serial step (measured over ``steps`` steps after two), and the share at each."""
     shares: dict[int, float] = {}
     for tokens in sizes:
-        engine = build(model_for(tokens), False, 0.0, "host", path, precision)
+        engine = build(model_for(tokens, n_embd=n_embd), False, 0.0, "host", path, precision)
         samples = [
             one_step(engine, x, y, 1.0, pinned) for x, y in text_batches(tokens, 2 + steps)
         ][2:]  # fmt: skip
@@ -982,17 +1007,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Each interference round starts a load process (torch's import, a model): a quick run
     # has no minute left for them, and reports the two bounds they give as null.
     probe_rounds = 0 if args.quick else 5
+    # A quick run's engines are narrower: at N_EMBD their builds and closes alone (10 engines
+    # of 100M parameters) take most of its minute. Its keys are only indicative.
+    width = NARROWER_N_EMBD if args.quick else N_EMBD
     pinned = len(os.sched_getaffinity(0)) >= 2
     torch.set_num_threads(1)
     if pinned:
         os.sched_setaffinity(0, {COMPUTE_CORE})
     with tempfile.TemporaryDirectory() as nvme:
-        calibration = choose_precision(pinned, nvme, share_steps)
+        calibration = choose_precision(pinned, nvme, share_steps, width)
         precision = calibration["precision"]
         tokens, shares = choose_tokens(
-            pinned, nvme, share_steps, precision, QUICK_TOKENS if args.quick else TOKENS
+            pinned, nvme, share_steps, precision, width, QUICK_TOKENS if args.quick else TOKENS
         )
-        model = model_for(tokens, pretrain_steps)
+        model = model_for(tokens, pretrain_steps, n_embd=width)
         # Plain and clipped pairs alternate, each repeat on fresh engines: the keys are the
         # medians over the repeats (a run's own ratio is the median over its blocks).
         repeated: dict[str, list[dict]] = {"plain": [], "clipped": []}
@@ -1034,12 +1062,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs["plain_auto_chunks"] = run_pair(
                 model, tokens, steps, warmup, pinned, 0.0, "host", nvme, False, precision, "auto"
             )
-            deeper = model_for(tokens, pretrain_steps, DEEPER_N_LAYER)
-            for name, clip in (("plain_deeper", 0.0), ("clipped_deeper", CLIP)):
-                runs[name] = run_pair(
-                    deeper, tokens, steps, warmup, pinned, clip, "host", nvme, bool(clip),
-                    precision,
-                )  # fmt: skip
+            shapes = {
+                "deeper": model_for(tokens, pretrain_steps, DEEPER_N_LAYER),
+                "narrower": model_for(tokens, pretrain_steps, n_embd=NARROWER_N_EMBD),
+            }
+            for shape, shaped in shapes.items():
+                for name, clip in ((f"plain_{shape}", 0.0), (f"clipped_{shape}", CLIP)):
+                    runs[name] = run_pair(
+                        shaped, tokens, steps, warmup, pinned, clip, "host", nvme, bool(clip),
+                        precision,
+                    )  # fmt: skip
     plain_repeats = [analyse(run, 0.0) for run in repeated["plain"]]
     clipped_repeats = [analyse(run, CLIP) for run in repeated["clipped"]]
     plain = median_repeat(plain_repeats)
@@ -1052,11 +1084,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "clipped_other_row_stores" in runs
         else None
     )
-    deeper_runs = {
-        name: analyse(runs[f"{name}_deeper"], clip)
-        for name, clip in (("plain", 0.0), ("clipped", CLIP))
-        if f"{name}_deeper" in runs
-    }
+    deeper_runs, narrower_runs = (
+        {
+            name: analyse(runs[f"{name}_{shape}"], clip)
+            for name, clip in (("plain", 0.0), ("clipped", CLIP))
+            if f"{name}_{shape}" in runs
+        }
+        for shape in ("deeper", "narrower")
+    )
     clipped_run = repeated["clipped"][clipped_repeats.index(clipped)]
     demo_clips = (1.0,) if args.quick else (1.0, 0.5)  # 0.5 is reported beside the key
     demo = {clip: clipped_fraction(demo_steps, clip) for clip in demo_clips}
@@ -1091,7 +1126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, analyses in (("plain", plain_repeats), ("clipped", clipped_repeats))
     }
     print(
-        f"GPT {N_LAYER}x512, {precision}, {block_elements(model):,} elements a chunk (a block), {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
+        f"GPT {N_LAYER}x{width}, {precision}, {block_elements(model):,} elements a chunk (a block), {tokens} tokens per step (host update {shares[tokens]:.0%} of the "
         f"serial step; shares measured: {', '.join(f'{t}: {s:.2f}' for t, s in shares.items())})"
         + ("" if pinned else "; NOT pinned (fewer than 2 cores): the ratios are not meaningful")
         + (f"\n{calibration['why_precision']}" if calibration["why_precision"] else "")
@@ -1136,6 +1171,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     else ()
                 ),
                 *((f"{name}, {DEEPER_N_LAYER} layers", r) for name, r in deeper_runs.items()),
+                *((f"{name}, {NARROWER_N_EMBD} wide", r) for name, r in narrower_runs.items()),
             )
         ],  # fmt: skip
     )
@@ -1240,7 +1276,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             **row_store_choice.as_json(),
             "clipped_with_the_other_kind": other_rows,
         },
+        "n_layer": N_LAYER,
+        "n_embd": width,
         "deeper_model": {"n_layer": DEEPER_N_LAYER, **deeper_runs} if deeper_runs else None,
+        "narrower_model": ({"n_embd": NARROWER_N_EMBD, **narrower_runs} if narrower_runs else None),
         "speculation": {
             k: clipped_run[k]
             for k in ("commits", "rollbacks", "started_in_backward", "forced_steps")

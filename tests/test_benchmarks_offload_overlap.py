@@ -16,6 +16,7 @@ from benchmarks._steal import steal_between, steal_s
 from benchmarks.offload_overlap import (
     COMPUTE_CORE,
     HOST_CORE,
+    NARROWER_N_EMBD,
     StepSample,
     ablation_over_repeats,
     bound_at_steal,
@@ -137,7 +138,7 @@ def test_the_bounds_over_the_repeats_are_each_keys_own_median() -> None:
 
 
 def test_the_plain_torch_probes_compute_in_the_engines_precision() -> None:
-    model = model_for(2)
+    model = model_for(2, n_layer=2, n_embd=NARROWER_N_EMBD)
     probed = in_precision(model, "bf16")
     assert {p.dtype for p in probed.parameters()} == {torch.bfloat16}
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # a copy: the runs' own
@@ -145,7 +146,9 @@ def test_the_plain_torch_probes_compute_in_the_engines_precision() -> None:
 
 
 def test_the_dependency_bound_leaves_out_the_group_final_last(tmp_path) -> None:
-    engine = build(model_for(16, n_layer=2), True, 0.0, "host", str(tmp_path), "fp32")
+    engine = build(
+        model_for(16, n_layer=2, n_embd=NARROWER_N_EMBD), True, 0.0, "host", str(tmp_path), "fp32"
+    )
     try:
         finals = []
         listener = engine.reducer.listener
@@ -313,7 +316,7 @@ def test_the_host_thread_analysis_is_a_median_over_timed_steps() -> None:
 
 
 def test_the_overlapped_engines_early_runs_are_timed_on_their_thread(tmp_path) -> None:
-    model = model_for(16, n_layer=2)
+    model = model_for(16, n_layer=2, n_embd=NARROWER_N_EMBD)
     engines = [build(model, overlap, 0.0, "host", str(tmp_path / str(overlap)), "fp32")
                for overlap in (False, True)]  # fmt: skip
     try:
