@@ -141,9 +141,10 @@ the engines on DEEPER_N_LAYER blocks, plain and clipped, once each, at the same 
 [Note: width] Each group's update also costs the engine's thread about 0.2 ms of Python in
 backward (pinning, preparing, retiring: 1.4-1.7 ms a step for 9 groups with no host work
 beside it, twice that beside it) and the host thread 0.1-0.3 ms (building the kernel's
-arguments, holding the GIL the engine thread's hooks then wait for), whatever its size; the kernels' work grows with
-the width squared. At 512 wide a group's update took about 2 ms, so that fixed Python was a
-large share of it; at 1024 about 8 ms; at a 7B's 4096 (a block of 200M elements) a thousandth.
+arguments, holding the GIL the engine thread's hooks then wait for), whatever its size; the
+kernels' work grows with the width squared. At 512 wide a group's update took about 2 ms, so
+that fixed Python was a large share of it; at 1024 about 8 ms; at a 7B's 4096 (a block of 200M
+elements) a thousandth.
 Until this note the GPT was 512 wide. In throwaway probes (2026-12-02, an AMD EPYC with
 AVX-512 BF16, 32 tokens a step, 40 step pairs a run) the clipped ratio was 0.779-0.789 at 1024
 (three runs) against 0.873 at 512 in the same minutes; the engine thread's callbacks and
@@ -158,8 +159,8 @@ without the width.
 see the note on emulation), and a write copies its blocks into four shared buffers on the
 calling thread: the engine's, which in an overlapped step writes each group's states back in
 backward (the copies and the waits for a free buffer lengthen backward), so at any block size
-the overlapped NVMe step has not been faster than the serial one here. The NVMe runs use the tier's default block
-(``offload.nvme.block_size``, 4 MiB: what a user gets). Runs until this note used 64 KiB
+the overlapped NVMe step has not been faster than the serial one here. The NVMe runs use the
+tier's default block (``offload.nvme.block_size``, 4 MiB: what a user gets). Runs until this note used 64 KiB
 blocks, about 11,600 jobs a step and steps about four times as long (2.4 s against 0.64 s);
 the full run keeps that setting as the ablation (``details.nvme_clipped_small_blocks``,
 NVME_SMALL_BLOCK_STEPS steps).
@@ -1279,7 +1280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "n_layer": N_LAYER,
         "n_embd": width,
         "deeper_model": {"n_layer": DEEPER_N_LAYER, **deeper_runs} if deeper_runs else None,
-        "narrower_model": ({"n_embd": NARROWER_N_EMBD, **narrower_runs} if narrower_runs else None),
+        "narrower_model": {"n_embd": NARROWER_N_EMBD, **narrower_runs} if narrower_runs else None,
         "speculation": {
             k: clipped_run[k]
             for k in ("commits", "rollbacks", "started_in_backward", "forced_steps")
