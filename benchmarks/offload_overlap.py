@@ -160,10 +160,10 @@ see the note on emulation), and a write copies its blocks into four shared buffe
 calling thread: the engine's, which in an overlapped step writes each group's states back in
 backward (the copies and the waits for a free buffer lengthen backward), so at any block size
 the overlapped NVMe step has not been faster than the serial one here. The NVMe runs use the
-tier's default block (``offload.nvme.block_size``, 4 MiB: what a user gets). Runs until this note used 64 KiB
-blocks, about 11,600 jobs a step and steps about four times as long (2.4 s against 0.64 s);
-the full run keeps that setting as the ablation (``details.nvme_clipped_small_blocks``,
-NVME_SMALL_BLOCK_STEPS steps).
+tier's default block (``offload.nvme.block_size``, 4 MiB: what a user gets). Runs until this
+note used 64 KiB blocks, about 11,600 jobs a step and steps about four times as long (2.4 s
+against 0.64 s); the full run keeps that setting as the ablation
+(``details.nvme_clipped_small_blocks``, NVME_SMALL_BLOCK_STEPS steps).
 
 [Note: row stores] A speculative update writes its new states elsewhere (and saves the
 gradients it overwrites), and the native kernel stores those rows streamed (non-temporal) or
